@@ -1,0 +1,72 @@
+// Which part of the problem one CTA sees: its sequence lengths, where its batch starts in memory, and the
+// range of K/V tiles [n_block_min, n_block_max) that hold at least one key visible to one of its rows.
+// Tiles outside that range are never loaded; tiles inside it that every row sees in full skip the mask.
+#pragma once
+
+#include <cute/config.hpp>
+#include <cute/algorithm/functional.hpp>
+
+#include "params.h"
+
+namespace flash_ext {
+
+CUTE_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+struct BlockInfo {
+  int seqlen_q;
+  int seqlen_k;
+
+  CUTE_HOST_DEVICE BlockInfo(FwdParams const& params, int /*bidb*/)
+      : seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k) {}
+
+  CUTE_HOST_DEVICE index_t q_offset(index_t batch_stride, int bidb) const { return index_t(bidb) * batch_stride; }
+  CUTE_HOST_DEVICE index_t k_offset(index_t batch_stride, int bidb) const { return index_t(bidb) * batch_stride; }
+
+  // Bottom-right alignment: query row i sits on the diagonal at key column i + seqlen_k - seqlen_q.
+  CUTE_HOST_DEVICE int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
+};
+
+// Window bounds as the kernel uses them; `has_right`/`has_left` say whether the side is bounded.
+template <class Flags>
+struct Window {
+  bool has_left, has_right;
+  int left, right;
+
+  CUTE_HOST_DEVICE Window(FwdParams const& params, Flags const& flags)
+      : has_left(flags.local && params.window_left >= 0),
+        has_right(flags.causal || (flags.local && params.window_right >= 0)),
+        left(params.window_left),
+        right(flags.causal ? 0 : params.window_right) {}
+};
+
+template <int kBlockM, int kBlockN, class Flags>
+CUTE_HOST_DEVICE int n_block_max(BlockInfo const& binfo, Window<Flags> const& w, int m_block) {
+  int n_max = ceil_div(binfo.seqlen_k, kBlockN);
+  if (w.has_right) {
+    int const last_row = cute::min((m_block + 1) * kBlockM, binfo.seqlen_q) - 1;
+    int const end_col = binfo.diagonal(last_row) + w.right + 1;  // one past the last visible key
+    n_max = cute::min(n_max, end_col <= 0 ? 0 : ceil_div(end_col, kBlockN));
+  }
+  return n_max;
+}
+
+template <int kBlockM, int kBlockN, class Flags>
+CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, Window<Flags> const& w, int m_block) {
+  if (!w.has_left) { return 0; }
+  int const first_col = binfo.diagonal(m_block * kBlockM) - w.left;
+  return first_col <= 0 ? 0 : first_col / kBlockN;
+}
+
+// True when every (row, key) of the tile pair is visible, so the mask may be skipped.  Rows past
+// seqlen_q are counted too (conservative: they are never stored).
+template <int kBlockM, int kBlockN, class Flags>
+CUTE_HOST_DEVICE bool tile_fully_visible(BlockInfo const& binfo, Window<Flags> const& w, int m_block,
+                                         int n_block) {
+  int const row0 = m_block * kBlockM, col0 = n_block * kBlockN;
+  bool visible = col0 + kBlockN <= binfo.seqlen_k;
+  if (w.has_right) { visible = visible && col0 + kBlockN - 1 <= binfo.diagonal(row0) + w.right; }
+  if (w.has_left) { visible = visible && col0 >= binfo.diagonal(row0 + kBlockM - 1) - w.left; }
+  return visible;
+}
+
+}  // namespace flash_ext

@@ -1,0 +1,68 @@
+// Epilogue: the only HBM writes of the kernel.  The normalised fp32 accumulator is converted to the
+// output dtype in registers, staged through shared memory (so that global stores are 16-byte vectors in
+// row order instead of the MMA's scattered 2-element pieces), and stored with row/column predicates.
+// Each row's LSE is written by the one thread that holds that row's column 0.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "block_info.h"
+#include "copy.h"
+#include "gemm.h"
+#include "params.h"
+
+namespace flash_ext {
+
+// acc_o: (MMA, MMA_M, MMA_K) normalised accumulator; lse: one value per row of its (row, col) view.
+// Precondition: no thread still reads the shared-memory bytes of the Q tile (sO aliases them).
+template <class Traits, class Flags, class AccO, class Lse>
+CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& binfo, Flags const& flags,
+                                   AccO const& acc_o, Lse const& lse, char* smem, int tidx, int bidb,
+                                   int bidh, int m_block) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+
+  Tensor rO = convert_fragment<Element>(acc_o);                                            // (MMA,MMA_M,MMA_K)
+  Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutO{});  // (BLK_M,HEAD_DIM)
+  auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+  Tensor taccOrO = smem_thr_copy_O.retile_S(rO);                                           // ((ATOM,ATOM_NUM),MMA_M,MMA_K)
+  Tensor taccOsO = smem_thr_copy_O.partition_D(sO);                                        // ((ATOM,ATOM_NUM),MMA_M,MMA_K)
+  copy(smem_tiled_copy_O, taccOrO, taccOsO);
+
+  // LSE, (b, h, seqlen_q) fp32.
+  Tensor mLSE = make_tensor(make_gmem_ptr(params.softmax_lse_ptr + (index_t(bidb) * params.h + bidh) * binfo.seqlen_q),
+                            make_shape(binfo.seqlen_q));                                   // (SEQ_Q)
+  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});                  // (BLK_M,HEAD_DIM) -> (m,k)
+  Tensor taccOcO = acc_rowcol<Traits::kAccValCols>(thr_mma.partition_C(cO));               // (ROWS,COLS) -> (m,k)
+  CUTE_STATIC_ASSERT_V(size<0>(taccOcO) == size(lse));
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(taccOcO); ++i) {
+    int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
+    if (get<1>(taccOcO(i, 0)) == 0 && row < binfo.seqlen_q) { mLSE(row) = lse(i); }
+  }
+
+  // sO was written in the MMA's thread layout and is read back in the copy's layout.
+  Traits::barrier();
+
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o_batch_stride, bidb)),
+                          make_shape(binfo.seqlen_q, params.h, params.d),
+                          make_stride(params.o_row_stride, params.o_head_stride, _1{}));   // (SEQ_Q,H,D)
+  Tensor gO = local_tile(mO(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M,HEAD_DIM)
+  typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+  auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+  Tensor tOsO = gmem_thr_copy_O.partition_S(sO);                                           // (CPY,CPY_M,CPY_K)
+  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);                                           // (CPY,CPY_M,CPY_K)
+  Tensor tOcO = gmem_thr_copy_O.partition_D(cO);                                           // (CPY,CPY_M,CPY_K) -> (m,k)
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));                                         // (CPY,CPY_M,CPY_K)
+  copy(gmem_tiled_copy_O, tOsO, tOrO);
+  copy_tile(gmem_tiled_copy_O, tOrO, tOgO, tOcO, binfo.seqlen_q - m_block * kBlockM, params.d, flags.even_mn,
+            flags.even_k, /*clear_oob=*/false);
+}
+
+}  // namespace flash_ext

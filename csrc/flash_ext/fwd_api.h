@@ -1,0 +1,31 @@
+// Raw-pointer entry points between the torch op layer (api.cpp) and the kernels.  No torch types cross
+// this boundary, so kernel translation units never include torch headers.
+#pragma once
+
+#include <string>
+
+#include "params.h"
+
+namespace flash_ext {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+// CPU backend: the kernel body with HostTraits, run over at::parallel_for.
+void run_fwd_cpu(FwdParams const& params, DType dtype);
+
+#if defined(FLASH_EXT_WITH_CUDA)
+// What the CUDA dispatcher would launch for a problem; `ok` false with `why` set when nothing can run.
+struct CudaPlan {
+  bool ok = false;
+  std::string why;
+  int head_dim = 0, block_m = 0, block_n = 0, num_warps = 0, smem_bytes = 0;
+  int variant = -1;
+  const char* variant_name = "";
+  int grid_m = 0;
+};
+CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor);
+// Launches on `stream` (a cudaStream_t).  Returns an empty string on success, else the reason.
+std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream);
+#endif
+
+}  // namespace flash_ext

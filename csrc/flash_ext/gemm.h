@@ -1,0 +1,115 @@
+// Tiled GEMM steps of the kernel body and the accumulator views they produce.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#if defined(__CUDACC__)
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#endif
+
+namespace flash_ext {
+
+// acc += A . B^T with both operands in shared memory.  Register fragments are filled one k-slice ahead of
+// the MMA that consumes them, so shared-memory loads (ldmatrix on the GPU) overlap tensor-core work.
+template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma, class CopyA,
+          class CopyB, class ThrCopyA, class ThrCopyB>
+CUTE_HOST_DEVICE void gemm_ss(Acc& acc, FragA& tCrA, FragB& tCrB, SmemA const& tCsA, SmemB const& tCsB,
+                              TiledMma const& tiled_mma, CopyA const& smem_tiled_copy_A,
+                              CopyB const& smem_tiled_copy_B, ThrCopyA const& smem_thr_copy_A,
+                              ThrCopyB const& smem_thr_copy_B) {
+  using namespace cute;
+  Tensor tCrA_view = smem_thr_copy_A.retile_D(tCrA);  // (CPY,CPY_M,CPY_K)
+  Tensor tCrB_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY,CPY_N,CPY_K)
+  CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(tCrA_view));
+  CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<1>(tCrB_view));
+  copy(smem_tiled_copy_A, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
+  copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k < size<2>(tCrA) - 1) {
+      copy(smem_tiled_copy_A, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1));
+      copy(smem_tiled_copy_B, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+    }
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
+// acc += A . B^T with A already in registers (P in the P.V step) and B in shared memory.
+template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB>
+CUTE_HOST_DEVICE void gemm_rs(Acc& acc, FragA const& tCrA, FragB& tCrB, SmemB const& tCsB,
+                              TiledMma const& tiled_mma, CopyB const& smem_tiled_copy_B,
+                              ThrCopyB const& smem_thr_copy_B) {
+  using namespace cute;
+  Tensor tCrB_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY,CPY_N,CPY_K)
+  CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<1>(tCrB_view));
+  copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k < size<2>(tCrA) - 1) { copy(smem_tiled_copy_B, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1)); }
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
+// ((cols, rows), MMA_M, MMA_N) accumulator -> ((rows, MMA_M), (cols, MMA_N)): the (row, column) view that
+// softmax and masking index.  kAccValCols is how many adjacent columns of one row an atom gives a thread.
+template <int kAccValCols, class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout acc) {
+  using namespace cute;
+  static_assert(decltype(rank(acc))::value == 3);
+  auto l = logical_divide(acc, Shape<Int<kAccValCols>>{});  // ((cols, rows), MMA_M, MMA_N)
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+template <int kAccValCols, class Tensor>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol(Tensor&& t) {
+  return cute::make_tensor(t.data(), acc_rowcol_layout<kAccValCols>(t.layout()));
+}
+
+// Conversion of a register fragment (fp32 accumulators -> fp16/bf16 operands or outputs), as whole
+// arrays so the GPU uses packed cvt instructions (two values per instruction).
+template <class Src, class Dst>
+CUTE_HOST_DEVICE void convert_into(Src const& src, Dst& dst) {
+  using From = typename Src::value_type;
+  using To = typename Dst::value_type;
+  constexpr int N = decltype(cute::size(src))::value;
+  static_assert(decltype(cute::size(dst))::value == N);
+#if defined(__CUDACC__)
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  cutlass::Array<From, N> in;
+  CUTE_UNROLL
+  for (int i = 0; i < N; ++i) { in[i] = src(i); }
+  cutlass::Array<To, N> out = convert(in);
+  CUTE_UNROLL
+  for (int i = 0; i < N; ++i) { dst(i) = out[i]; }
+#else  // cutlass/numeric_conversion.h is device-only; the host compiler vectorises this loop itself
+  for (int i = 0; i < N; ++i) { dst(i) = static_cast<To>(src(i)); }
+#endif
+}
+
+template <class To, class Tensor>
+CUTE_HOST_DEVICE auto convert_fragment(Tensor const& t) {
+  auto out = cute::make_tensor<To>(t.layout());
+  convert_into(t, out);
+  return out;
+}
+
+// P as the A operand of P.V: the S accumulator converted to ElementP and re-viewed with the A-operand
+// layout (same registers, different (mode) grouping).  When ElementP is the accumulator type (host
+// traits) the result aliases the accumulator instead of copying it.
+template <class Traits, class AccS>
+CUTE_HOST_DEVICE auto make_p_operand(AccS& acc_s) {
+  using ElementP = typename Traits::ElementP;
+  auto const a_layout = Traits::acc_to_a_layout(acc_s.layout());
+  if constexpr (std::is_same_v<ElementP, typename AccS::value_type>) {
+    return cute::make_tensor(acc_s.data(), a_layout);
+  } else {
+    auto rP = cute::make_tensor<ElementP>(a_layout);  // owns cosize(a_layout) == cosize(acc) registers
+    auto rP_as_acc = cute::make_tensor(rP.data(), acc_s.layout());
+    convert_into(acc_s, rP_as_acc);
+    return rP;
+  }
+}
+
+}  // namespace flash_ext

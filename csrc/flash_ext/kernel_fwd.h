@@ -1,0 +1,186 @@
+// The forward kernel body: one CTA computes O and LSE for one (m_block, batch, head).  Written once over
+// `Traits` (Sm80Traits on the GPU, HostTraits on the CPU) and `Flags` (static or runtime specialisation).
+//
+// Data journey: Q tile  HBM -> smem (once) -> registers (per k-slice);  K/V tiles HBM -> smem, streamed
+// right to left over the visible range;  S = Q.K^T and P = softmax pieces live only in registers;  acc_o,
+// row_max and row_sum live in registers across tiles;  O (and LSE) go back to HBM once, in the epilogue.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "block_info.h"
+#include "copy.h"
+#include "epilogue.h"
+#include "flags.h"
+#include "gemm.h"
+#include "mask.h"
+#include "params.h"
+#include "softmax.h"
+
+namespace flash_ext {
+
+// The flags as the body sees them: static members keep their constant, runtime members are computed
+// from the problem.  The dispatcher only picks a static combination that agrees with these values.
+template <class Traits, class Flags>
+CUTE_HOST_DEVICE Flags flags_from_params(FwdParams const& p) {
+  Flags f;
+  f.even_mn = make_flag<decltype(f.even_mn)>(p.seqlen_q % Traits::kBlockM == 0 && p.seqlen_k % Traits::kBlockN == 0);
+  f.even_k = make_flag<decltype(f.even_k)>(p.d == Traits::kHeadDim);
+  f.causal = make_flag<decltype(f.causal)>(p.is_causal);
+  f.local = make_flag<decltype(f.local)>(p.is_local);
+  f.alibi = make_flag<decltype(f.alibi)>(p.alibi_slopes_ptr != nullptr);
+  f.softcap = make_flag<decltype(f.softcap)>(p.softcap > 0.f);
+  return f;
+}
+
+template <class Traits, class Flags>
+CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags const& flags, int bidb, int bidh,
+                                             int m_block, int tidx, char* smem) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  BlockInfo const binfo(params, bidb);
+  if (m_block * kBlockM >= binfo.seqlen_q) { return; }
+  Window<Flags> const window(params, flags);
+  int const n_min = n_block_min<kBlockM, kBlockN>(binfo, window, m_block);
+  int const n_max = n_block_max<kBlockM, kBlockN>(binfo, window, m_block);
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (MMA,MMA_M,MMA_K)
+  Tensor acc_o_rc = acc_rowcol<Traits::kAccValCols>(acc_o);                                 // (ROWS,COLS)
+  constexpr int kNRows = decltype(size<0>(acc_o_rc))::value;
+  clear(acc_o);
+
+  // No key is visible to any row of this tile (causal with seqlen_q > seqlen_k, narrow windows):
+  // O = 0 and LSE = +inf, without touching K or V.
+  if (n_max <= n_min) {
+    Tensor lse = make_tensor<float>(Shape<Int<kNRows>>{});
+    fill(lse, INFINITY);
+    write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block);
+    return;
+  }
+
+  int const bidh_kv = bidh / params.h_h_k_ratio;  // GQA/MQA: consecutive query heads share a K/V head
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, bidb)),
+                          make_shape(binfo.seqlen_q, params.h, params.d),
+                          make_stride(params.q_row_stride, params.q_head_stride, _1{}));   // (SEQ_Q,H,D)
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k_ptr) + binfo.k_offset(params.k_batch_stride, bidb)),
+                          make_shape(binfo.seqlen_k, params.h_k, params.d),
+                          make_stride(params.k_row_stride, params.k_head_stride, _1{}));   // (SEQ_K,H_K,D)
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v_ptr) + binfo.k_offset(params.v_batch_stride, bidb)),
+                          make_shape(binfo.seqlen_k, params.h_k, params.d),
+                          make_stride(params.v_row_stride, params.v_head_stride, _1{}));   // (SEQ_K,H_K,D)
+  Tensor gQ = local_tile(mQ(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));   // (BLK_M,HEAD_DIM)
+  Tensor gK = local_tile(mK(_, bidh_kv, _), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));      // (BLK_N,HEAD_DIM,n)
+  Tensor gV = local_tile(mV(_, bidh_kv, _), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));      // (BLK_N,HEAD_DIM,n)
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (BLK_M,HEAD_DIM)
+  Tensor sK = make_tensor(sQ.data() + cosize(typename Traits::SmemLayoutQ{}), typename Traits::SmemLayoutKV{});  // (BLK_N,HEAD_DIM)
+  Tensor sV = make_tensor(sK.data() + cosize(typename Traits::SmemLayoutKV{}), typename Traits::SmemLayoutKV{});  // (BLK_N,HEAD_DIM)
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});                     // (HEAD_DIM,BLK_N)
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});  // (HEAD_DIM,BLK_N)
+
+  // Global -> shared copies, with identity tensors for their predicates.
+  typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
+  auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);                                          // (CPY,CPY_M,CPY_K)
+  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);                                          // (CPY,CPY_M,CPY_K)
+  Tensor tKgK = gmem_thr_copy_QKV.partition_S(gK);                                          // (CPY,CPY_N,CPY_K,n)
+  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);                                          // (CPY,CPY_N,CPY_K)
+  Tensor tVgV = gmem_thr_copy_QKV.partition_S(gV);                                          // (CPY,CPY_N,CPY_K,n)
+  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);                                          // (CPY,CPY_N,CPY_K)
+  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));          // (CPY,CPY_M,CPY_K) -> (m,k)
+  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));        // (CPY,CPY_N,CPY_K) -> (n,k)
+
+  // Shared -> register operands of the two GEMMs.
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);                                           // (MMA,MMA_M,MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);                                           // (MMA,MMA_N,MMA_K)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);                                // (MMA,MMA_K,MMA_N)
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);                                            // (CPY,CPY_M,CPY_K)
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_K.partition_S(sK);                                            // (CPY,CPY_N,CPY_K)
+  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);                                          // (CPY,CPY_K,CPY_N)
+
+  // (row, col) of every score this thread holds, for masks and ALiBi.
+  Tensor tScS = acc_rowcol<Traits::kAccValCols>(
+      thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));    // (ROWS,COLS) -> (m,n)
+
+  int const row0 = m_block * kBlockM;
+  int const rows_left = binfo.seqlen_q - row0;
+  int n_block = n_max - 1;
+
+  // Prologue: Q and the right-most K tile in one cp.async group.
+  copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, rows_left, params.d, flags.even_mn, flags.even_k);
+  copy_tile(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block), tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+            params.d, flags.even_mn, flags.even_k);
+  Traits::cp_async_fence();
+
+  float alibi_slope = 0.f;
+  if (flags.alibi) {
+    alibi_slope = params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.score_scale;
+  }
+  ScoreMask<Flags> const mask{binfo, window, alibi_slope};
+  OnlineSoftmax<Traits, kNRows> softmax;
+  bool const any_mask = !flags.even_mn || flags.causal || flags.local;
+
+  for (; n_block >= n_min; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
+    clear(acc_s);
+
+    // K(n_block) has landed and is visible to all threads; and every thread has finished the previous
+    // P.V, so sV may be overwritten.
+    Traits::template cp_async_wait<0>();
+    Traits::barrier();
+
+    // V(n_block) streams in while S = Q.K^T runs.  Rows past seqlen_k are zero-filled (see copy_tile).
+    copy_tile(gmem_tiled_copy_QKV, tVgV(_, _, _, n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+              params.d, flags.even_mn, flags.even_k);
+    Traits::cp_async_fence();
+
+    if constexpr (Traits::kQInRegs) {
+      if (n_block == n_max - 1) {  // Q landed with the first K tile (same cp.async group)
+        copy(smem_tiled_copy_Q, tSsQ, smem_thr_copy_Q.retile_D(tSrQ));
+      }
+      gemm_rs(acc_s, tSrQ, tSrK, tSsK, tiled_mma, smem_tiled_copy_K, smem_thr_copy_K);
+    } else {
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K, smem_thr_copy_Q,
+              smem_thr_copy_K);
+    }
+    if (flags.softcap) { apply_softcap(acc_s, params.softcap_prescale); }
+    Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
+    bool const need_mask =
+        any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
+    mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
+
+    // V(n_block) has landed; every thread is done reading sK, so K(n_block - 1) may overwrite it and
+    // stream in during the softmax and P.V of this tile.
+    Traits::template cp_async_wait<0>();
+    Traits::barrier();
+    if (n_block > n_min) {
+      copy_tile(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV,
+                binfo.seqlen_k - (n_block - 1) * kBlockN, params.d, flags.even_mn, flags.even_k);
+      Traits::cp_async_fence();
+    }
+
+    softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, n_block == n_max - 1);
+
+    // P goes straight from the accumulator registers into the A operand of P.V.
+    Tensor tOrP = make_p_operand<Traits>(acc_s);                                              // (MMA,MMA_M,MMA_K)
+    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+  }
+
+  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale);
+  // The last read of sQ (the final Q.K^T) happened before the loop's second barrier: sO may reuse it.
+  write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block);
+}
+
+}  // namespace flash_ext

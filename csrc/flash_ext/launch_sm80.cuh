@@ -1,0 +1,70 @@
+// The CUDA side of the forward kernel: the __global__ wrapper around the kernel body with Sm80Traits, and
+// the launcher that picks the static variant and sets dynamic shared memory.  Included only by .cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "dispatch.h"
+#include "kernel_fwd.h"
+#include "params.h"
+#include "traits_sm80.h"
+
+namespace flash_ext {
+
+template <int kHeadDim, class Element, bool kCausal>
+struct Sm80Fwd {
+  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kCausal);
+  using Traits = Sm80Traits<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, Element>;
+};
+
+// One CTA per (m_block, batch, head): blockIdx.x = m_block so that CTAs of the same head, which share K/V,
+// are scheduled together and hit in L2.
+template <class Traits, class Flags>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(__grid_constant__ const FwdParams params) {
+  extern __shared__ __align__(128) char smem[];
+  compute_attn_1rowblock<Traits>(params, flags_from_params<Traits, Flags>(params), int(blockIdx.y),
+                                 int(blockIdx.z), int(blockIdx.x), int(threadIdx.x), smem);
+}
+
+template <class Traits>
+ProblemFlags problem_flags(FwdParams const& p) {
+  return {p.seqlen_q % Traits::kBlockM == 0 && p.seqlen_k % Traits::kBlockN == 0, p.d == Traits::kHeadDim,
+          p.is_local, p.alibi_slopes_ptr != nullptr, p.softcap > 0.f};
+}
+
+template <class Traits, class Flags>
+std::string launch_fwd(FwdParams const& params, cudaStream_t stream) {
+  auto kernel = &flash_fwd_kernel<Traits, Flags>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  cudaError_t err = cudaSuccess;
+  if (kSmem > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) { return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err); }
+  }
+  dim3 const grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.b, params.h);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+  err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("kernel launch: ") + cudaGetErrorString(err);
+}
+
+template <class Traits, bool kCausal, int kVariant = 0>
+std::string launch_variant(FwdParams const& params, cudaStream_t stream, int variant) {
+  if constexpr (kVariant < kNumVariants) {
+    if (variant == kVariant) { return launch_fwd<Traits, VariantFlags<kVariant, kCausal>>(params, stream); }
+    return launch_variant<Traits, kCausal, kVariant + 1>(params, stream, variant);
+  } else {
+    return "no compiled variant admits this problem";
+  }
+}
+
+// Explicitly instantiated once per (head dim, dtype, causal) in the generated files.
+template <int kHeadDim, class Element, bool kCausal>
+std::string run_fwd_sm80(FwdParams const& params, cudaStream_t stream) {
+  using Traits = typename Sm80Fwd<kHeadDim, Element, kCausal>::Traits;
+  int const variant = select_variant(kCausal, problem_flags<Traits>(params));
+  return launch_variant<Traits, kCausal>(params, stream, variant);
+}
+
+}  // namespace flash_ext

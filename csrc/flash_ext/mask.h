@@ -1,0 +1,53 @@
+// Everything that edits scores between Q.K^T and the softmax: softcap, ALiBi bias, and the visibility mask
+// (sequence bound, causal, local window).  Coordinates come from an identity tensor partitioned exactly like
+// the accumulator, so the same code is right for any thread layout the traits choose.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "block_info.h"
+#include "params.h"
+
+namespace flash_ext {
+
+// x = tanh(S * softmax_scale / softcap); the true score is x * softcap (params.score_scale).
+template <class Tensor>
+CUTE_HOST_DEVICE void apply_softcap(Tensor& acc, float prescale) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(acc); ++i) { acc(i) = tanhf(acc(i) * prescale); }
+}
+
+template <class Flags>
+struct ScoreMask {
+  BlockInfo const& binfo;
+  Window<Flags> const& window;
+  float alibi_slope;  // already divided by score_scale: it is added in the kernel's score domain
+
+  // acc and coord are (row, col) views of the same fragment: coord(i, j) is the (row, col) of acc(i, j)
+  // within its tile; row0/col0 place the tile in the problem.
+  template <class Acc, class Coord>
+  CUTE_HOST_DEVICE void apply(Acc& acc, Coord const& coord, int row0, int col0, bool apply_bias,
+                              bool need_mask) const {
+    using namespace cute;
+    if (!apply_bias && !need_mask) { return; }
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(acc); ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(acc); ++j) {
+        int const row = row0 + get<0>(coord(i, j));
+        int const col = col0 + get<1>(coord(i, j));
+        int const diag = binfo.diagonal(row);
+        if (apply_bias) { acc(i, j) -= alibi_slope * float(diag > col ? diag - col : col - diag); }
+        if (need_mask) {
+          bool const hidden = col >= binfo.seqlen_k || (window.has_right && col > diag + window.right) ||
+                              (window.has_left && col < diag - window.left);
+          if (hidden) { acc(i, j) = -INFINITY; }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace flash_ext

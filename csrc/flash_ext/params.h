@@ -1,0 +1,52 @@
+// Problem description shared by every backend. Plain data: no torch, no CUDA types, so the same struct
+// is filled by the op layer (api.cpp) and read by the host and the device instances of the kernel body.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_ext {
+
+using index_t = int64_t;
+
+struct FwdParams {
+  // Q (b, seqlen_q, h, d), K/V (b, seqlen_k, h_k, d), O like Q.  Last dim contiguous; other strides in
+  // elements.  Pointers and row/head/batch strides are 16-byte aligned (the op layer guarantees it) so the
+  // GPU traits may move 128-bit vectors.
+  void const* __restrict__ q_ptr = nullptr;
+  void const* __restrict__ k_ptr = nullptr;
+  void const* __restrict__ v_ptr = nullptr;
+  void* __restrict__ o_ptr = nullptr;
+  index_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  index_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  index_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  index_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  // Log-sum-exp of each query row's scores, (b, h, seqlen_q) fp32, contiguous.  +inf for a row that sees
+  // no key (its O row is 0).
+  float* __restrict__ softmax_lse_ptr = nullptr;
+
+  int b = 0, h = 0, h_k = 0;
+  int h_h_k_ratio = 1;  // h / h_k: query heads sharing one K/V head (MQA/GQA)
+  int seqlen_q = 0, seqlen_k = 0;
+  int d = 0;  // actual head dim (a multiple of 8); the kernel's kHeadDim is >= d
+
+  // Score domain.  The kernel keeps x = S (or tanh(S * scale / softcap) with softcap) and the true score is
+  // x * score_scale.  exp2 of (x - max) * score_scale_log2 is then exp(score - max_score).
+  float softmax_scale = 1.f;     // the user's scale applied to q.k
+  float softcap = 0.f;           // 0: off
+  float softcap_prescale = 0.f;  // softmax_scale / softcap
+  float score_scale = 1.f;       // softmax_scale, or softcap when softcap is on
+  float score_scale_log2 = 1.f;  // score_scale * log2(e)
+
+  // Visible keys of query row i: i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q +
+  // window_right (bottom-right aligned).  -1 means unbounded on that side.  causal == (left -1, right 0).
+  int window_left = -1, window_right = -1;
+  bool is_causal = false;
+  bool is_local = false;  // a finite window other than plain causal
+
+  // ALiBi: score += -slope * |i + seqlen_k - seqlen_q - j|, slopes fp32 (h) or (b, h).
+  float const* __restrict__ alibi_slopes_ptr = nullptr;
+  index_t alibi_slopes_batch_stride = 0;
+};
+
+}  // namespace flash_ext

@@ -1,0 +1,6 @@
+// CPU backend instance for cutlass::half_t.
+#include "fwd_host.h"
+
+namespace flash_ext {
+template void run_fwd_cpu_dtype<cutlass::half_t>(FwdParams const&);
+}  // namespace flash_ext

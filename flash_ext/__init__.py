@@ -1,0 +1,22 @@
+"""flash_ext: FlashAttention-2-class fused attention for PyTorch.
+
+One CuTe kernel body runs on CUDA (sm_80+) and, through host traits, on the CPU.  The public functions
+follow flash_attn 2.8; the op is also available as ``torch.ops.flash_ext.fwd``.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import _ops  # noqa: F401
+from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "build_info"]
+
+
+def build_info() -> dict:
+    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "host_head_dims": [...]}``."""
+    return json.loads(torch.ops.flash_ext._build_info())

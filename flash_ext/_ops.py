@@ -1,0 +1,27 @@
+"""Registration glue for the C++ ops: fake (meta) kernels for torch.compile/export, and autograd."""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the shared library, which registers torch.ops.flash_ext.*)
+
+
+@torch.library.register_fake("flash_ext::fwd")
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    b, sq, h, d = q.shape
+    out = q.new_empty((b, sq, h, d))
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    return out, lse
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(
+        "flash_ext: the backward pass is not implemented yet; flash_ext currently provides the forward "
+        "(inference) kernels only. Use torch.nn.functional.scaled_dot_product_attention for training.")
+
+
+torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)

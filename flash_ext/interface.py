@@ -1,0 +1,118 @@
+"""FA2 2.8-compatible Python API.  Every function ends in one call of ``torch.ops.flash_ext.fwd``."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+
+
+def _check_python_args(dropout_p: float, window_size) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"flash_ext: dropout_p={dropout_p}: dropout is not implemented yet (only dropout_p=0.0 is supported)")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"flash_ext: window_size: got {window_size!r}; must be a pair (left, right), -1 = unbounded")
+
+
+def _prepare(t: torch.Tensor, pad_to: int) -> torch.Tensor:
+    """Pads the head dim to a multiple of 8 and makes CUDA tensors 16-byte aligned (the kernel's vector width)."""
+    if t.dim() >= 1 and t.shape[-1] != pad_to:
+        t = F.pad(t, [0, pad_to - t.shape[-1]])
+    if t.is_cuda and t.dim() >= 1:
+        misaligned = t.data_ptr() % 16 != 0 or t.stride(-1) != 1 or any(
+            s % 8 != 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+        if misaligned:
+            t = t.contiguous()
+    return t
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]:
+    """Exact softmax attention without materialising the (seqlen_q, seqlen_k) score matrix.
+
+    Semantics follow flash_attn 2.8's ``flash_attn_func``:
+
+    * q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k, nheads_k, headdim)`` with
+      ``nheads % nheads_k == 0`` (MQA/GQA: query head ``i`` uses K/V head ``i // (nheads // nheads_k)``).
+      fp16 or bf16 on CUDA (sm_80+); fp16, bf16 or fp32 on the CPU.  Any ``headdim <= 256``.
+    * ``softmax_scale`` defaults to ``1 / sqrt(headdim)``.
+    * ``causal``: the mask is aligned to the bottom-right corner: query ``i`` sees keys
+      ``j <= i + seqlen_k - seqlen_q``.
+    * ``window_size=(left, right)``: query ``i`` sees keys in
+      ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 leaves a side unbounded.
+    * ``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` before masking.
+    * ``alibi_slopes`` fp32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
+    * A query row that sees no key gets output 0 and log-sum-exp ``+inf``.
+    * ``dropout_p`` must be 0 (dropout is not implemented yet); ``deterministic`` is accepted for
+      compatibility: the forward pass is always deterministic.
+
+    Returns ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs=True`` returns
+    ``(out, softmax_lse, None)`` where ``softmax_lse`` is fp32 ``(batch, nheads, seqlen_q)`` (the attention
+    probabilities themselves are never formed; the third element is reserved for dropout).
+    """
+    _check_python_args(dropout_p, window_size)
+    head_dim = q.shape[-1] if q.dim() >= 1 else 0
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
+    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
+    same_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.shape[-1] == head_dim and v.shape[-1] == head_dim
+    if same_d:
+        q, k, v = (_prepare(t, padded) for t in (q, k, v))
+    out, lse = torch.ops.flash_ext.fwd(q, k, v, float(softmax_scale), bool(causal), int(window_size[0]),
+                                       int(window_size[1]), float(softcap), alibi_slopes)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_func`` on packed ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)`` (no copy)."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"flash_ext: qkv: got shape {tuple(qkv.shape)}; must be (batch, seqlen, 3, nheads, headdim)")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_func`` with packed ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)`` (no copy)."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"flash_ext: kv: got shape {tuple(kv.shape)}; must be (batch, seqlen_k, 2, nheads_k, headdim)")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)

@@ -1,0 +1,154 @@
+"""Plain PyTorch reference for ``flash_ext.flash_attn_func`` (forward only).
+
+This module materialises the full ``(seqlen_q, seqlen_k)`` score matrix and applies every feature of the
+fused kernel in the most direct way, so that it can serve as the ground truth in tests.  It is not meant
+to be fast.
+
+Semantics (flash_attn 2.8), with ``i`` the query row, ``j`` the key column and
+``shift = seqlen_k - seqlen_q`` (masks are aligned to the bottom-right corner):
+
+1. ``s_ij = softmax_scale * (q_i . k_j)``; ``softmax_scale`` defaults to ``1 / sqrt(head_dim)``.
+2. ``softcap > 0``: ``s_ij = softcap * tanh(s_ij / softcap)``.
+3. ALiBi: ``s_ij -= slope_h * |i + shift - j|`` (slopes of shape ``(nheads,)`` or ``(batch, nheads)``).
+4. Visibility: with ``window_size = (left, right)`` (``causal`` forces ``right = 0``), key ``j`` is visible
+   to row ``i`` iff ``i + shift - left <= j <= i + shift + right``; a side set to ``-1`` is unbounded.
+   Invisible scores become ``-inf``.
+5. ``out_i = softmax(s_i) @ v`` and ``lse_i = logsumexp(s_i)``.  A row that sees no key at all gets
+   ``out_i = 0`` and ``lse_i = +inf`` (never NaN).
+
+Grouped-query attention (``nheads_k < nheads``) is handled by repeating every K/V head
+``nheads // nheads_k`` times, so query head ``h`` uses K/V head ``h // (nheads // nheads_k)``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["attention_ref", "visibility_mask"]
+
+
+def visibility_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Boolean ``(seqlen_q, seqlen_k)`` tensor, True where query row ``i`` may attend to key ``j``.
+
+    Implements step 4 of the module docstring literally (bottom-right aligned; ``causal`` sets the right
+    bound to 0 and keeps the left bound of ``window_size``; ``-1`` leaves a side unbounded).
+    """
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    row = torch.arange(seqlen_q, device=device).view(-1, 1)
+    col = torch.arange(seqlen_k, device=device).view(1, -1)
+    diag = row + (seqlen_k - seqlen_q)  # the key column aligned with query row i
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= col <= diag + right
+    if left >= 0:
+        visible &= col >= diag - left
+    return visible
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention_ref: q, k, v must be 4-D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention_ref: k.shape {tuple(k.shape)} != v.shape {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention_ref: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
+    h, hk = q.shape[2], k.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"attention_ref: nheads {h} is not a multiple of nheads_k {hk}")
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    upcast: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention forward pass; returns ``(out, lse)``.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, head_dim)``.
+        k, v: ``(batch, seqlen_k, nheads_k, head_dim)`` with ``nheads % nheads_k == 0``.
+        softmax_scale: multiplier of ``q . k``; ``None`` means ``1 / sqrt(head_dim)`` of the given
+            (unpadded) head dim.
+        causal, window_size, softcap, alibi_slopes: as in ``flash_ext.flash_attn_func`` (see the module
+            docstring for the exact formulas).
+        upcast: selects the arithmetic.
+
+            * ``True``: q, k, v (and the slopes) are converted to float64 and every step runs in float64.
+              Returns ``out`` and ``lse`` as float64.  This is the "exact" answer used as ground truth.
+            * ``False``: emulates what a framework does when it computes attention in the input dtype
+              ("same-dtype" reference, used to size the tolerance):
+
+              - ``q @ k^T`` is one matmul in the input dtype (PyTorch accumulates internally in fp32 for
+                fp16/bf16 and rounds the result to the input dtype);
+              - the rounded scores are converted to float32; scale, softcap, ALiBi, masking, the softmax
+                and the log-sum-exp are computed in float32;
+              - the probabilities are rounded to the input dtype and ``P @ v`` is one matmul in the input
+                dtype.
+
+              Returns ``out`` in the input dtype and ``lse`` in float32.
+
+    A query row with no visible key yields ``out = 0`` and ``lse = +inf``; the result never contains NaN
+    unless the inputs do.
+    """
+    _check_shapes(q, k, v)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+    in_dtype = q.dtype
+    io_dtype = torch.float64 if upcast else in_dtype  # dtype of the two matmuls and of `out`
+    acc_dtype = torch.float64 if upcast else torch.float32  # dtype of the softmax and of `lse`
+
+    # (batch, nheads, seqlen, head_dim), K/V heads repeated for GQA/MQA.
+    group = nheads // nheads_k
+    qh = q.to(io_dtype).transpose(1, 2)
+    kh = k.to(io_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = v.to(io_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).to(acc_dtype) * softmax_scale  # (b, h, sq, sk)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+
+    row = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+    col = torch.arange(seqlen_k, device=q.device).view(1, -1)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=acc_dtype)
+        slopes = slopes.expand(batch, nheads) if slopes.dim() == 1 else slopes
+        distance = (row + (seqlen_k - seqlen_q) - col).abs().to(acc_dtype)  # (sq, sk)
+        scores = scores - slopes.view(batch, nheads, 1, 1) * distance
+
+    visible = visibility_mask(seqlen_q, seqlen_k, causal, window_size, device=q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    # Softmax by hand so that empty rows give 0 instead of NaN.
+    row_max = scores.amax(dim=-1, keepdim=True) if seqlen_k > 0 else scores.new_full(
+        (batch, nheads, seqlen_q, 1), float("-inf"))
+    any_visible = row_max > float("-inf")
+    safe_max = torch.where(any_visible, row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - safe_max)  # exp(-inf) = 0 for masked entries
+    denom = probs.sum(dim=-1, keepdim=True)
+    probs = torch.where(any_visible, probs / torch.where(any_visible, denom, torch.ones_like(denom)),
+                        torch.zeros_like(probs))
+    lse = torch.where(any_visible, safe_max + torch.log(torch.where(any_visible, denom, torch.ones_like(denom))),
+                      torch.full_like(denom, float("inf"))).squeeze(-1)  # (b, h, sq)
+
+    out = torch.matmul(probs.to(io_dtype), vh)  # (b, h, sq, d)
+    out = out.transpose(1, 2).contiguous()  # (b, sq, h, d)
+    return out, lse.contiguous()

@@ -1,0 +1,121 @@
+"""Build flash_ext: the torch extension flash_ext._C (CPU backend always, CUDA kernels when possible).
+
+Knobs (environment variables):
+  FLASH_EXT_CUDA_ARCHS      CUDA archs to compile, ";"-separated (default "80;90").
+  FLASH_EXT_HEADDIMS        GPU head dims to instantiate, ","-separated subset of 32,64,96,128,192,256 (default all).
+  FLASH_EXT_FORCE_CPU_ONLY  "1": build only the CPU backend even when torch and nvcc have CUDA.
+  FLASH_EXT_CPU_ARCH        -march value for the CPU backend (default "native"; "" for the compiler's default).
+  FLASH_EXT_PTXAS_VERBOSE   "1": pass -Xptxas=-v (register/spill report per kernel, read by scripts/kernel_report.py).
+  CUTLASS_INCLUDE_DIR       CUTLASS/CuTe headers; else third_party/cutlass/include; else pip nvidia-cutlass==4.2.0.0.
+  CUDA_HOME                 CUDA toolkit (default /usr/local/cuda when present).
+  MAX_JOBS                  parallel compile jobs (default: cores, capped at one job per ~5 GB of free memory).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent
+GPU_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+if "CUDA_HOME" not in os.environ and pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
+    # torch.utils.cpp_extension reads CUDA_HOME when it is imported.
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+
+def default_max_jobs() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        avail_gb = info.get("MemAvailable", 0) / 2**20
+    except OSError:
+        avail_gb = 8.0
+    return max(1, min(os.cpu_count() or 1, int(avail_gb // 5)))
+
+
+os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
+
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+
+def include_dirs_or_exit() -> list[str]:
+    """One implementation of header discovery for setup.py and CMake: scripts/include_dirs.py."""
+    spec = importlib.util.spec_from_file_location("flash_ext_include_dirs", ROOT / "scripts" / "include_dirs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        return [str(d) for d in mod.all_includes()]
+    except mod.HeaderError as e:
+        sys.exit(f"flash_ext: {e}")
+
+
+def selected_head_dims() -> list[int]:
+    raw = os.environ.get("FLASH_EXT_HEADDIMS", "")
+    if not raw.strip():
+        return list(GPU_HEAD_DIMS)
+    dims = sorted({int(x) for x in raw.replace(";", ",").split(",") if x.strip()})
+    bad = [d for d in dims if d not in GPU_HEAD_DIMS]
+    if bad:
+        sys.exit(f"flash_ext: FLASH_EXT_HEADDIMS={raw!r} has {bad}; choose from {GPU_HEAD_DIMS}")
+    return dims
+
+
+def cuda_archs() -> list[str]:
+    raw = os.environ.get("FLASH_EXT_CUDA_ARCHS", "80;90")
+    archs = [a.strip() for a in raw.replace(",", ";").split(";") if a.strip()]
+    for a in archs:
+        if not a.rstrip("a").isdigit() or int(a.rstrip("a")) < 80:
+            sys.exit(f"flash_ext: FLASH_EXT_CUDA_ARCHS={raw!r}: {a!r} is not an arch >= 80 (e.g. 80;90)")
+    return archs
+
+
+def build_extension():
+    cuda_home = cpp_extension.CUDA_HOME
+    force_cpu = os.environ.get("FLASH_EXT_FORCE_CPU_ONLY", "0") == "1"
+    with_cuda = (not force_cpu and torch.version.cuda is not None and cuda_home is not None
+                 and (pathlib.Path(cuda_home) / "bin" / "nvcc").exists())
+
+    include_dirs = include_dirs_or_exit()
+    cpu_arch = os.environ.get("FLASH_EXT_CPU_ARCH", "native")
+    cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-Wno-unused-variable", "-Wno-unused-but-set-variable"]
+    if cpu_arch:
+        cxx.append(f"-march={cpu_arch}")
+    sources = [ROOT / "csrc" / "api.cpp"] + sorted((ROOT / "csrc" / "host").glob("*.cpp"))
+    define_macros = []
+
+    if not with_cuda:
+        print("flash_ext: building the CPU backend only "
+              f"(torch CUDA: {torch.version.cuda}, CUDA_HOME: {cuda_home}, forced: {force_cpu})")
+        return cpp_extension.CppExtension(
+            "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx}, py_limited_api=False)
+
+    head_dims = selected_head_dims()
+    archs = cuda_archs()
+    mask = sum(1 << GPU_HEAD_DIMS.index(hd) for hd in head_dims)
+    macros = [f"-DFLASH_EXT_WITH_CUDA", f"-DFLASH_EXT_GPU_HEADDIMS_MASK={mask}",
+              f'-DFLASH_EXT_CUDA_ARCHS_STR="{";".join(archs)}"']
+    gen = ROOT / "csrc" / "cuda" / "generated"
+    sources += [ROOT / "csrc" / "cuda" / "fwd_dispatch.cu"]
+    sources += sorted(p for p in gen.glob("*.cu") if int(p.name.split("_")[1][len("hdim"):]) in head_dims)
+    nvcc = ["-O3", "-std=c++20", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-diag-suppress=177"]
+    if os.environ.get("FLASH_EXT_PTXAS_VERBOSE", "0") == "1":
+        nvcc.append("-Xptxas=-v")
+    for a in archs:
+        nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims}, MAX_JOBS {os.environ['MAX_JOBS']}")
+    return cpp_extension.CUDAExtension(
+        "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros}, py_limited_api=False)
+
+
+setup(
+    ext_modules=[build_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,104 @@
+"""Input generation and the FA2-style pass rule shared by the forward tests.
+
+Pass rule (as in flash-attention's own tests): with ``ref64`` the float64 reference and ``ref_same`` the
+same-dtype reference (``attention_ref(..., upcast=False)``, see flash_ext/reference.py):
+
+    max|out - ref64| <= 2 * max|ref_same - ref64| + OUT_FLOOR[dtype]
+    max|lse - lse64| <= 2 * max|lse_same - lse64| + LSE_FLOOR[dtype]      (over rows with finite lse64)
+
+i.e. the kernel may be at most twice as far from the exact answer as a straightforward framework
+implementation in the same dtype.  The floors only matter when the same-dtype reference happens to be
+(nearly) exact, e.g. one key per row, where ``out`` is a copy of a ``v`` row:
+
+* OUT_FLOOR is about one unit in the last place of the dtype at 0.5 (the typical size of an output
+  element): fp16 2.5e-4 (ulp(0.5) = 4.9e-4, so a kernel off by a full ulp at |out|~1 still fails),
+  bf16 2e-3 (ulp(0.5) = 3.9e-3), fp32 1e-5 (a few hundred fp32 ulps; wrong masking, scaling or
+  normalisation shows up as errors of 1e-2 .. 1).
+* LSE_FLOOR: lse is always computed and stored in fp32 from fp32 scores; values are O(1..10) so fp32
+  rounding is ~1e-6.  1e-4 for every dtype.
+
+In addition, exact properties are asserted: no NaN anywhere, ``lse == +inf`` exactly on the rows where the
+reference has ``+inf`` (rows that see no key) and nowhere else, and ``out == 0`` exactly on those rows.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from flash_ext.reference import attention_ref
+
+OUT_FLOOR = {torch.float16: 2.5e-4, torch.bfloat16: 2e-3, torch.float32: 1e-5}
+LSE_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-4, torch.float32: 1e-4}
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def make_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, head_dim: int,
+             dtype: torch.dtype, device="cpu", q_scale: float = 1.0):
+    """Standard-normal q, k, v (q optionally multiplied by q_scale) in the requested dtype/device."""
+    q = (torch.randn(batch, seqlen_q, nheads, head_dim) * q_scale).to(dtype=dtype, device=device)
+    k = torch.randn(batch, seqlen_k, nheads_k, head_dim).to(dtype=dtype, device=device)
+    v = torch.randn(batch, seqlen_k, nheads_k, head_dim).to(dtype=dtype, device=device)
+    return q, k, v
+
+
+def make_alibi(batch: int, nheads: int, per_batch: bool = True, device="cpu") -> torch.Tensor:
+    """fp32 slopes in [0, 0.3) (FA2's test distribution), shape (batch, nheads) or (nheads,)."""
+    shape = (batch, nheads) if per_batch else (nheads,)
+    return (torch.rand(*shape) * 0.3).to(device)
+
+
+def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().cpu()
+
+
+def check_close(out: torch.Tensor, lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, *, softmax_scale: Optional[float] = None, causal: bool = False,
+                window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                alibi_slopes: Optional[torch.Tensor] = None, context: str = "") -> dict:
+    """Asserts the pass rule above for a kernel result (``out``, ``lse``) of the given inputs.
+
+    Returns the measured errors (useful when printing a failing case).
+    """
+    dtype = q.dtype
+    b, sq, h, d = q.shape
+    assert out.shape == (b, sq, h, d), f"{context}: out.shape {tuple(out.shape)}"
+    assert out.dtype == dtype, f"{context}: out.dtype {out.dtype}"
+    out = out.detach().cpu()
+    q, k, v = _cpu(q), _cpu(k), _cpu(v)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+              alibi_slopes=_cpu(alibi_slopes))
+    out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kw)
+    out_same, lse_same = attention_ref(q, k, v, upcast=False, **kw)
+
+    assert not torch.isnan(out).any(), f"{context}: NaN in out at {torch.isnan(out).nonzero()[:5].tolist()}"
+    empty_rows = torch.isinf(lse_ref)  # (b, h, sq): rows that see no key
+    res = {}
+    if out.numel():
+        err = (out.double() - out_ref).abs().max().item()
+        err_same = (out_same.double() - out_ref).abs().max().item()
+        bound = 2 * err_same + OUT_FLOOR[dtype]
+        res.update(out_err=err, out_err_same_dtype=err_same, out_bound=bound)
+        assert err <= bound, (f"{context}: max|out - ref64| = {err:.3e} > bound {bound:.3e} "
+                              f"(same-dtype ref error {err_same:.3e}, floor {OUT_FLOOR[dtype]:.1e})")
+        empty_out = out.permute(0, 2, 1, 3)[empty_rows]  # (n_empty, d)
+        assert (empty_out == 0).all(), f"{context}: rows without visible keys must be exactly 0"
+    if lse is not None:
+        assert lse.shape == (b, h, sq), f"{context}: lse.shape {tuple(lse.shape)}"
+        assert lse.dtype == torch.float32, f"{context}: lse.dtype {lse.dtype}"
+        lse = lse.detach().cpu()
+        assert not torch.isnan(lse).any(), f"{context}: NaN in lse at {torch.isnan(lse).nonzero()[:5].tolist()}"
+        lse_inf = torch.isinf(lse)
+        assert torch.equal(lse_inf, empty_rows), (
+            f"{context}: lse is inf at {(lse_inf & ~empty_rows).nonzero()[:5].tolist()} (should be finite) / "
+            f"finite at {(~lse_inf & empty_rows).nonzero()[:5].tolist()} (should be +inf)")
+        assert (lse[lse_inf] > 0).all(), f"{context}: empty rows must have lse = +inf, not -inf"
+        finite = ~empty_rows
+        if finite.any():
+            err = (lse.double() - lse_ref)[finite].abs().max().item()
+            err_same = (lse_same.double() - lse_ref)[finite].abs().max().item()
+            bound = 2 * err_same + LSE_FLOOR[dtype]
+            res.update(lse_err=err, lse_err_same_dtype=err_same, lse_bound=bound)
+            assert err <= bound, (f"{context}: max|lse - lse64| = {err:.3e} > bound {bound:.3e} "
+                                  f"(same-dtype ref error {err_same:.3e}, floor {LSE_FLOOR[dtype]:.1e})")
+    return res

@@ -1,0 +1,168 @@
+"""Invalid arguments give one ValueError that names every offending argument (and never crash)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flash_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+from conftest import require_device
+
+
+def _qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64, dtype=torch.float16, device="cpu"):
+    return (torch.randn(b, sq, h, d, dtype=dtype, device=device),
+            torch.randn(b, sk, hk, d, dtype=dtype, device=device),
+            torch.randn(b, sk, hk, d, dtype=dtype, device=device))
+
+
+def _error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def _noncontig_last(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, last-dimension stride 2."""
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+q0, k0, v0 = _qkv()
+
+# (id, call, words the message must contain)
+CASES = [
+    ("fp64", lambda: flash_attn_func(q0.double(), k0.double(), v0.double()), ["q.dtype", "Double"]),
+    ("int32", lambda: flash_attn_func(q0.int(), k0.int(), v0.int()), ["q.dtype"]),
+    ("k_dtype_mismatch", lambda: flash_attn_func(q0, k0.bfloat16(), v0), ["k.dtype/v.dtype", "BFloat16"]),
+    ("v_dtype_mismatch", lambda: flash_attn_func(q0, k0, v0.float()), ["k.dtype/v.dtype", "Float"]),
+    ("q_last_dim_strided", lambda: flash_attn_func(_noncontig_last(q0), k0, v0), ["q.stride(-1)", "contiguous"]),
+    ("k_last_dim_strided", lambda: flash_attn_func(q0, _noncontig_last(k0), v0), ["k.stride(-1)"]),
+    ("v_last_dim_strided", lambda: flash_attn_func(q0, k0, _noncontig_last(v0)), ["v.stride(-1)"]),
+    ("q_3d", lambda: flash_attn_func(q0[0], k0, v0), ["q", "3 dims"]),
+    ("k_5d", lambda: flash_attn_func(q0, k0[None], v0), ["k", "5 dims"]),
+    ("v_3d", lambda: flash_attn_func(q0, k0, v0[0]), ["v", "3 dims"]),
+    ("head_dim_264", lambda: flash_attn_func(*_qkv(d=264)), ["head_dim", "264", "256"]),
+    ("head_dim_300", lambda: flash_attn_func(*_qkv(d=300)), ["head_dim", "300", "256"]),
+    ("heads_not_multiple", lambda: flash_attn_func(*_qkv(h=6, hk=4)), ["heads", "6", "4", "multiple"]),
+    ("heads_k_gt_q", lambda: flash_attn_func(*_qkv(h=2, hk=4)), ["heads"]),
+    ("kv_shape_mismatch", lambda: flash_attn_func(q0, k0, v0[:, :20]), ["v.shape", "k.shape"]),
+    ("kv_head_dim_mismatch", lambda: flash_attn_func(q0, k0, v0[..., :32]), ["v.shape"]),
+    ("q_k_head_dim_mismatch", lambda: flash_attn_func(q0[..., :32].contiguous(), k0, v0), ["k.shape[3]"]),
+    ("batch_mismatch", lambda: flash_attn_func(q0, k0[:1], v0[:1]), ["k.shape[0]"]),
+    ("alibi_wrong_len", lambda: flash_attn_func(q0, k0, v0, alibi_slopes=torch.rand(5)), ["alibi_slopes.shape", "[5]"]),
+    ("alibi_wrong_batch", lambda: flash_attn_func(q0, k0, v0, alibi_slopes=torch.rand(3, 4)), ["alibi_slopes.shape"]),
+    ("alibi_3d", lambda: flash_attn_func(q0, k0, v0, alibi_slopes=torch.rand(2, 4, 1)), ["alibi_slopes.shape"]),
+    ("alibi_fp16", lambda: flash_attn_func(q0, k0, v0, alibi_slopes=torch.rand(4).half()), ["alibi_slopes.dtype"]),
+    ("alibi_fp64", lambda: flash_attn_func(q0, k0, v0, alibi_slopes=torch.rand(4).double()), ["alibi_slopes.dtype"]),
+    ("window_left_lt_-1", lambda: flash_attn_func(q0, k0, v0, window_size=(-2, 3)), ["window_size[0]", "-2"]),
+    ("window_right_lt_-1", lambda: flash_attn_func(q0, k0, v0, window_size=(3, -7)), ["window_size[1]", "-7"]),
+    ("window_not_pair", lambda: flash_attn_func(q0, k0, v0, window_size=(1, 2, 3)), ["window_size"]),
+    ("window_int", lambda: flash_attn_func(q0, k0, v0, window_size=4), ["window_size"]),
+    ("softcap_negative", lambda: flash_attn_func(q0, k0, v0, softcap=-1.0), ["softcap", "-1"]),
+    ("softcap_nan", lambda: flash_attn_func(q0, k0, v0, softcap=float("nan")), ["softcap"]),
+    ("softcap_inf", lambda: flash_attn_func(q0, k0, v0, softcap=float("inf")), ["softcap"]),
+    ("scale_nan", lambda: flash_attn_func(q0, k0, v0, softmax_scale=float("nan")), ["softmax_scale"]),
+    ("scale_inf", lambda: flash_attn_func(q0, k0, v0, softmax_scale=float("inf")), ["softmax_scale"]),
+    ("qkvpacked_shape", lambda: flash_attn_qkvpacked_func(torch.randn(2, 8, 2, 4, 64).half()), ["qkv"]),
+    ("kvpacked_shape", lambda: flash_attn_kvpacked_func(q0, torch.randn(2, 8, 3, 2, 64).half()), ["kv"]),
+    ("op_head_dim_not_multiple_of_8", lambda: torch.ops.flash_ext.fwd(
+        q0[..., :59], k0[..., :59], v0[..., :59], 0.1, False, -1, -1, 0.0, None), ["head_dim", "59", "multiple of 8"]),
+]
+
+
+@pytest.mark.parametrize("call,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(call, words):
+    msg = _error(call)
+    for w in words:
+        assert w in msg, f"{w!r} not in error message:\n{msg}"
+
+
+def test_op_errors_list_argument_and_rule():
+    """The op's message format: '<op>: N invalid argument(s):' followed by one '  - name: got X; rule' line each."""
+    msg = _error(flash_attn_func, q0, k0, v0, softcap=-2.0)
+    assert msg.startswith("flash_ext.fwd: 1 invalid argument:")
+    assert re.search(r"\n  - softcap: got -2(\.0*)?; must be", msg), msg
+
+
+def test_several_problems_in_one_error():
+    q = torch.randn(2, 16, 6, 64, dtype=torch.float64)  # unsupported dtype
+    k = torch.randn(2, 24, 4, 64, dtype=torch.float16)  # 6 % 4 != 0, dtype differs from q
+    v = torch.randn(2, 20, 4, 64, dtype=torch.float16)  # shape differs from k
+    msg = _error(flash_attn_func, q, k, v, window_size=(-3, -5), softcap=-1.0,
+                 alibi_slopes=torch.rand(7, dtype=torch.float16))
+    expected = ["q.dtype", "k.dtype/v.dtype", "heads", "v.shape", "alibi_slopes.shape", "alibi_slopes.dtype",
+                "window_size[0]", "window_size[1]", "softcap"]
+    for w in expected:
+        assert f"  - {w}: got" in msg, f"{w!r} missing from:\n{msg}"
+    assert f"flash_ext.fwd: {len(expected)} invalid arguments:" in msg, msg
+    assert msg.count("\n  - ") == len(expected), msg
+
+
+def test_several_problems_rank_and_dtype():
+    msg = _error(flash_attn_func, q0[0].double(), k0, v0[..., None], softcap=-1.0)
+    for w in ["q: got 3 dims", "v: got 5 dims", "q.dtype", "k.dtype/v.dtype", "softcap"]:
+        assert w in msg, f"{w!r} missing from:\n{msg}"
+
+
+def test_dropout_is_not_a_value_error():
+    with pytest.raises(NotImplementedError):
+        flash_attn_func(q0, k0, v0, dropout_p=0.2)
+
+
+def test_valid_after_error():
+    """A rejected call leaves nothing behind: the next valid call works."""
+    with pytest.raises(ValueError):
+        flash_attn_func(q0.double(), k0, v0)
+    out = flash_attn_func(q0, k0, v0)
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
+    "BUG (csrc/api.cpp check_fwd_args): a 0-dim alibi_slopes tensor reaches a.stride(-1) before the shape "
+    "check is reported and raises IndexError('Dimension specified as -1 but tensor has no dimensions') "
+    "instead of the ValueError listing alibi_slopes.shape"))
+def test_alibi_scalar_tensor():
+    msg = _error(flash_attn_func, q0, k0, v0, alibi_slopes=torch.tensor(0.1))
+    assert "alibi_slopes.shape" in msg
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (flash_ext/_ops.py fake kernel): with one tensor on the meta device and the others on the CPU the "
+    "dispatcher picks the Meta kernel, i.e. the fake implementation, which checks nothing and returns "
+    "q.new_empty(...): uninitialised CPU memory comes back as the result instead of a device-mismatch error"))
+@pytest.mark.parametrize("which", ["k", "alibi"])
+def test_meta_and_cpu_mixed(which):
+    k = k0.to("meta") if which == "k" else k0
+    slopes = torch.rand(4, device="meta") if which == "alibi" else None
+    with pytest.raises((ValueError, RuntimeError)):
+        flash_attn_func(q0, k, v0, alibi_slopes=slopes)
+
+
+# --- CUDA-only rules -------------------------------------------------------------------------------------
+
+def test_fp32_on_cuda():
+    require_device("cuda")
+    q, k, v = _qkv(dtype=torch.float32, device="cuda")
+    msg = _error(flash_attn_func, q, k, v)
+    assert "q.dtype" in msg and "CUDA" in msg
+
+
+def test_devices_differ():
+    require_device("cuda")
+    q, k, v = _qkv(device="cuda")
+    msg = _error(flash_attn_func, q, k.cpu(), v)
+    assert "k.device/v.device" in msg
+    msg = _error(flash_attn_func, q, k, v, alibi_slopes=torch.rand(4))
+    assert "alibi_slopes.device" in msg
+
+
+def test_op_rejects_misaligned_cuda_inputs():
+    """The op itself needs 16-byte aligned CUDA inputs (flash_attn_func copies misaligned ones)."""
+    require_device("cuda")
+    q = torch.randn(2, 16, 4, 65, dtype=torch.float16, device="cuda")[..., 1:]
+    k = torch.randn(2, 24, 2, 64, dtype=torch.float16, device="cuda")
+    msg = _error(torch.ops.flash_ext.fwd, q, k, k, 0.1, False, -1, -1, 0.0, None)
+    assert "q: got data_ptr/strides not 16-byte aligned" in msg

@@ -1,0 +1,141 @@
+"""flash_ext as a citizen of the PyTorch stack: op registration (opcheck), torch.compile, torch.export, autograd."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_ext import flash_attn_func
+
+from attn_check import check_close, make_alibi, make_qkv
+from conftest import DEVICES, require_device
+
+
+def _sample_inputs(device):
+    """(args) tuples for torch.ops.flash_ext.fwd: plain, causal+ALiBi (b,h), GQA+local+softcap, MQA+ALiBi (h,)."""
+    samples = []
+    q, k, v = make_qkv(2, 33, 45, 4, 4, 64, torch.float16, device)
+    samples.append((q, k, v, 0.125, False, -1, -1, 0.0, None))
+    q, k, v = make_qkv(2, 70, 50, 4, 2, 32, torch.bfloat16, device)
+    samples.append((q, k, v, 0.2, True, -1, -1, 0.0, make_alibi(2, 4, device=device)))
+    q, k, v = make_qkv(1, 65, 130, 6, 2, 96, torch.float16, device)
+    samples.append((q, k, v, 0.1, False, 16, 4, 5.0, None))
+    q, k, v = make_qkv(2, 20, 20, 3, 1, 128, torch.bfloat16, device)
+    samples.append((q, k, v, 0.09, True, 3, -1, 0.0, make_alibi(2, 3, per_batch=False, device=device)))
+    return samples
+
+
+# opcheck's default utilities are test_schema, test_autograd_registration, test_faketensor and
+# test_aot_dispatch_dynamic.  The last one runs the op through AOTAutograd and, when an input requires grad,
+# also runs the backward, which flash_ext deliberately does not implement (its autograd formula raises
+# NotImplementedError).  So: with inputs that do not require grad every utility runs (forward only); with
+# inputs that require grad, test_aot_dispatch_dynamic is excluded and the other three still run, which
+# includes checking that the autograd registration itself is well-formed.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sample", range(4))
+def test_opcheck(device, sample):
+    device = require_device(device)
+    args = _sample_inputs(device)[sample]
+    torch.library.opcheck(torch.ops.flash_ext.fwd.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_requires_grad(device):
+    device = require_device(device)
+    q, k, v, *rest = _sample_inputs(device)[1]
+    args = (q.requires_grad_(), k.requires_grad_(), v, *rest)
+    torch.library.opcheck(torch.ops.flash_ext.fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_not_implemented(device):
+    device = require_device(device)
+    q, k, v = make_qkv(1, 10, 12, 2, 2, 32, torch.float16, device)
+    q.requires_grad_()
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.requires_grad and out.grad_fn is not None
+    assert not lse.requires_grad  # marked non-differentiable
+    with pytest.raises(NotImplementedError, match="backward"):
+        out.sum().backward()
+
+
+def test_inference_mode_and_no_grad():
+    q, k, v = make_qkv(1, 10, 12, 2, 2, 32, torch.float16)
+    q.requires_grad_()
+    ref = flash_attn_func(q.detach(), k, v)
+    with torch.no_grad():
+        assert torch.equal(flash_attn_func(q, k, v), ref)
+    with torch.inference_mode():
+        assert torch.equal(flash_attn_func(q, k, v), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    """Odd head dim (padding path), GQA, causal, softcap; compiled == eager bit for bit."""
+    device = require_device(device)
+
+    def f(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, softcap=4.0) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    q, k, v = make_qkv(2, 33, 45, 4, 2, 59, torch.float16, device)
+    out = compiled(q, k, v)
+    assert torch.equal(out, f(q, k, v))
+    check_close(out / 2, None, q, k, v, causal=True, softcap=4.0, context="compiled")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_return_attn_probs_dynamic(device):
+    """return_attn_probs=True under torch.compile (lse is a graph output), with dynamic sequence lengths."""
+    device = require_device(device)
+
+    def f(q, k, v, slopes):
+        out, lse, probs = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+        assert probs is None
+        return out, lse
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for sq, sk in [(33, 45), (70, 20), (5, 129)]:
+        q, k, v = make_qkv(2, sq, sk, 4, 2, 40, torch.bfloat16, device)
+        slopes = make_alibi(2, 4, per_batch=False, device=device)
+        out, lse = compiled(q, k, v, slopes)
+        out_e, lse_e = f(q, k, v, slopes)
+        assert out.shape == out_e.shape and lse.shape == lse_e.shape == (2, 4, sq)
+        assert lse.dtype == torch.float32
+        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+
+
+class _Block(torch.nn.Module):
+    """A toy attention block: a projection of x to q, attention over given k/v, output projection."""
+
+    def __init__(self, nheads: int, head_dim: int):
+        super().__init__()
+        self.nheads, self.head_dim = nheads, head_dim
+        self.wq = torch.nn.Linear(nheads * head_dim, nheads * head_dim)
+        self.wo = torch.nn.Linear(nheads * head_dim, nheads * head_dim)
+        self.register_buffer("slopes", torch.linspace(0.05, 0.3, nheads))
+
+    def forward(self, x, k, v):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.nheads, self.head_dim)
+        o = flash_attn_func(q, k, v, causal=True, window_size=(24, -1), alibi_slopes=self.slopes)
+        return self.wo(o.reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export(device):
+    device = require_device(device)
+    m = _Block(4, 40).to(device=device, dtype=torch.bfloat16)
+    m.slopes = m.slopes.float()
+    x = torch.randn(2, 37, 160, dtype=torch.bfloat16, device=device)
+    _, k, v = make_qkv(2, 37, 50, 4, 2, 40, torch.bfloat16, device)
+    sq = torch.export.Dim("sq", min=2, max=4096)
+    sk = torch.export.Dim("sk", min=2, max=4096)
+    ep = torch.export.export(m, (x, k, v), dynamic_shapes=({1: sq}, {1: sk}, {1: sk}))
+    assert any(n.target is torch.ops.flash_ext.fwd.default for n in ep.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x, k, v), m(x, k, v))
+        # another sequence length through the same exported program
+        x2 = torch.randn(2, 90, 160, dtype=torch.bfloat16, device=device)
+        _, k2, v2 = make_qkv(2, 90, 31, 4, 2, 40, torch.bfloat16, device)
+        assert torch.equal(ep.module()(x2, k2, v2), m(x2, k2, v2))
