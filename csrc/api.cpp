@@ -4,7 +4,9 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <optional>
 #include <sstream>
@@ -12,7 +14,7 @@
 #include <vector>
 
 #if defined(FLASH_EXT_WITH_CUDA)
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -75,14 +77,15 @@ bool aligned16(at::Tensor const& t) {
   return true;
 }
 
-void check_fwd_args(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
-                    int64_t window_left, int64_t window_right, double softcap,
-                    std::optional<at::Tensor> const& alibi_slopes) {
-  ArgChecker c("flash_ext.fwd");
-  bool const ranks_ok = q.dim() == 4 && k.dim() == 4 && v.dim() == 4;
-  c.require(q.dim() == 4, "q", std::to_string(q.dim()) + " dims " + str(q.sizes()), "must be (batch, seqlen_q, heads, head_dim)");
-  c.require(k.dim() == 4, "k", std::to_string(k.dim()) + " dims " + str(k.sizes()), "must be (batch, seqlen_k, heads_k, head_dim)");
-  c.require(v.dim() == 4, "v", std::to_string(v.dim()) + " dims " + str(v.sizes()), "must be (batch, seqlen_k, heads_k, head_dim)");
+// Shapes: fixed-length q (b, sq, h, d), k/v (b, sk, hk, d); varlen q (total_q, h, d), k/v (total_k, hk, d).
+// Returns false if the ranks are wrong (later shape checks would be meaningless).
+bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen) {
+  int64_t const rank = varlen ? 3 : 4;
+  std::string const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
+  std::string const kv_rule = varlen ? "must be (total_k, heads_k, head_dim)" : "must be (batch, seqlen_k, heads_k, head_dim)";
+  c.require(q.dim() == rank, "q", std::to_string(q.dim()) + " dims " + str(q.sizes()), q_rule);
+  c.require(k.dim() == rank, "k", std::to_string(k.dim()) + " dims " + str(k.sizes()), kv_rule);
+  c.require(v.dim() == rank, "v", std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
   auto const dt = q.scalar_type();
   bool const dtype_ok = dt == at::kHalf || dt == at::kBFloat16 || (dt == at::kFloat && q.device().is_cpu());
   c.require(dtype_ok, "q.dtype", str(dt), q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
@@ -96,59 +99,67 @@ void check_fwd_args(at::Tensor const& q, at::Tensor const& k, at::Tensor const& 
                 "the last dimension must be contiguous");
     }
   }
-  if (ranks_ok) {
-    int64_t const d = q.size(3), h = q.size(2), hk = k.size(2);
-    c.require(d <= 256, "head_dim", std::to_string(d), "must be <= 256");
-    c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (flash_attn_func pads other sizes)");
-    c.require(k.sizes() == v.sizes(), "v.shape", str(v.sizes()), "must equal k.shape " + str(k.sizes()));
+  bool const ranks_ok = q.dim() == rank && k.dim() == rank && v.dim() == rank;
+  if (!ranks_ok) { return false; }
+  int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
+  c.require(d <= 256, "head_dim", std::to_string(d), "must be <= 256");
+  c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
+  c.require(k.sizes() == v.sizes(), "v.shape", str(v.sizes()), "must equal k.shape " + str(k.sizes()));
+  if (!varlen) {
     c.require(k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
-    c.require(k.size(3) == d, "k.shape[3]", std::to_string(k.size(3)), "must equal q head_dim " + std::to_string(d));
-    c.require(hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", k/v " + std::to_string(hk),
-              "q heads must be a multiple of k/v heads (MQA/GQA)");
-    if (alibi_slopes.has_value()) {
-      auto const& a = *alibi_slopes;
-      bool const shape_ok = (a.dim() == 1 && a.size(0) == h) || (a.dim() == 2 && a.size(0) == q.size(0) && a.size(1) == h);
-      c.require(shape_ok, "alibi_slopes.shape", str(a.sizes()),
-                "must be (heads,) = (" + std::to_string(h) + ",) or (batch, heads) = (" + std::to_string(q.size(0)) + ", " + std::to_string(h) + ")");
-      c.require(a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
-      c.require(a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
-      c.require(a.stride(-1) == 1 || a.size(-1) <= 1, "alibi_slopes.stride(-1)", std::to_string(a.stride(-1)), "must be contiguous");
+  }
+  c.require(k.size(-1) == d, "k.shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
+  c.require(hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", k/v " + std::to_string(hk),
+            "q heads must be a multiple of k/v heads (MQA/GQA)");
+  if (q.device().is_cuda()) {
+    for (auto const& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
+      c.require(aligned16(*t), name, "data_ptr/strides not 16-byte aligned",
+                "CUDA inputs need a 16-byte aligned start and strides that are multiples of 8 (the Python functions copy such inputs)");
     }
   }
+  return true;
+}
+
+void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
+                   int64_t window_left, int64_t window_right, double softcap,
+                   std::optional<at::Tensor> const& alibi_slopes) {
   c.require(window_left >= -1, "window_size[0]", std::to_string(window_left), "must be >= -1 (-1: unbounded)");
   c.require(window_right >= -1, "window_size[1]", std::to_string(window_right), "must be >= -1 (-1: unbounded)");
   c.require(softcap >= 0 && std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite and >= 0 (0: off)");
   c.require(std::isfinite(softmax_scale), "softmax_scale", std::to_string(softmax_scale), "must be finite");
-  if (q.device().is_cuda() && ranks_ok) {
-    for (auto const& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
-      c.require(aligned16(*t), name, "data_ptr/strides not 16-byte aligned",
-                "CUDA inputs need a 16-byte aligned start and strides that are multiples of 8 (flash_attn_func copies such inputs)");
-    }
+  if (alibi_slopes.has_value()) {
+    auto const& a = *alibi_slopes;
+    bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == heads);
+    c.require(shape_ok, "alibi_slopes.shape", str(a.sizes()),
+              "must be (heads,) = (" + std::to_string(heads) + ",) or (batch, heads) = (" + std::to_string(batch) + ", " +
+                  std::to_string(heads) + ")");
+    c.require(a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
+    c.require(a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
   }
-  c.raise_if_any();
 }
 
-FwdParams make_params(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out,
-                      at::Tensor& lse, double softmax_scale, bool causal, int64_t window_left,
-                      int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes) {
-  FwdParams p;
+// Tensor layout into params; q/k/v/out are 4-D (fixed length) or 3-D (varlen: no batch stride).
+void set_layout(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out,
+                at::Tensor& lse) {
+  int const r = int(q.dim()) - 3;  // index of the row (sequence) dimension
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
   p.v_ptr = v.data_ptr();
   p.o_ptr = out.data_ptr();
   p.softmax_lse_ptr = lse.data_ptr<float>();
-  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
-  p.b = int(q.size(0));
-  p.seqlen_q = int(q.size(1));
-  p.h = int(q.size(2));
-  p.d = int(q.size(3));
-  p.seqlen_k = int(k.size(1));
-  p.h_k = int(k.size(2));
+  p.q_batch_stride = r ? q.stride(0) : 0, p.q_row_stride = q.stride(r), p.q_head_stride = q.stride(r + 1);
+  p.k_batch_stride = r ? k.stride(0) : 0, p.k_row_stride = k.stride(r), p.k_head_stride = k.stride(r + 1);
+  p.v_batch_stride = r ? v.stride(0) : 0, p.v_row_stride = v.stride(r), p.v_head_stride = v.stride(r + 1);
+  p.o_batch_stride = r ? out.stride(0) : 0, p.o_row_stride = out.stride(r), p.o_head_stride = out.stride(r + 1);
+  p.h = int(q.size(r + 1));
+  p.d = int(q.size(r + 2));
+  p.h_k = int(k.size(r + 1));
   p.h_h_k_ratio = p.h / p.h_k;
+}
 
+// Score domain, FA2 2.8 window semantics and ALiBi.  Needs p.seqlen_q/p.seqlen_k (maxima for varlen).
+void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                   double softcap, std::optional<at::Tensor> const& alibi_slopes) {
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
   if (softcap > 0) {
@@ -159,9 +170,8 @@ FwdParams make_params(at::Tensor const& q, at::Tensor const& k, at::Tensor const
   }
   p.score_scale_log2 = float(double(p.score_scale) * M_LOG2E);
 
-  // FA2 2.8 window semantics.  A side at least seqlen_k wide bounds nothing.  causal is window (-1, 0)
-  // (a finite left window with causal makes a local problem).  With one query row, bottom-right causal
-  // shows every key, so it is plain attention.
+  // A side at least seqlen_k wide bounds nothing.  causal is window (-1, 0) (a finite left window with
+  // causal makes a local problem).  With one query row, bottom-right causal shows every key.
   if (window_left >= p.seqlen_k) { window_left = -1; }
   if (window_right >= p.seqlen_k) { window_right = -1; }
   if (causal) { window_right = 0; }
@@ -178,41 +188,155 @@ FwdParams make_params(at::Tensor const& q, at::Tensor const& k, at::Tensor const
     p.alibi_slopes_ptr = alibi_slopes->data_ptr<float>();
     p.alibi_slopes_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
   }
-  return p;
+}
+
+void launch(FwdParams const& params, at::Tensor const& q, char const* op) {
+  if (q.device().is_cpu()) {
+    run_fwd_cpu(params, to_dtype(q.scalar_type()));
+    return;
+  }
+#if defined(FLASH_EXT_WITH_CUDA)
+  c10::cuda::CUDAGuard guard(q.device());
+  std::string const err = run_fwd_cuda(params, to_dtype(q.scalar_type()), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err.empty(), op, " (CUDA): ", err);
+#else
+  TORCH_CHECK(false, op, ": flash_ext was built without CUDA; rebuild with a CUDA toolkit or pass CPU tensors");
+#endif
+}
+
+void maybe_poison(at::Tensor& out, at::Tensor& lse) {
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {
+    out.fill_(NAN);
+    lse.fill_(NAN);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                        double softmax_scale, bool causal, int64_t window_left,
                                        int64_t window_right, double softcap,
                                        std::optional<at::Tensor> const& alibi_slopes) {
-  check_fwd_args(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes);
+  ArgChecker c("flash_ext.fwd");
+  if (check_qkv(c, q, k, v, /*varlen=*/false)) {
+    check_options(c, q, q.size(0), q.size(2), softmax_scale, window_left, window_right, softcap, alibi_slopes);
+  }
+  c.raise_if_any();
   int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3), sk = k.size(1);
   at::Tensor out = at::empty({b, sq, h, d}, q.options());
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
-  if (b == 0 || sq == 0 || h == 0) { return {out, lse}; }
-  if (sk == 0 || d == 0) {  // no key at all: every row is empty
+  if (out.numel() == 0) { return {out, lse}; }
+  if (sk == 0) {  // no key at all: every row is empty
     out.zero_();
     lse.fill_(INFINITY);
     return {out, lse};
   }
-  if (g_poison_outputs.load(std::memory_order_relaxed)) {
-    out.fill_(NAN);
-    lse.fill_(NAN);
-  }
+  maybe_poison(out, lse);
   std::optional<at::Tensor> alibi;
   if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
-  FwdParams const params = make_params(q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi);
-  if (q.device().is_cpu()) {
-    run_fwd_cpu(params, to_dtype(q.scalar_type()));
-  } else {
-#if defined(FLASH_EXT_WITH_CUDA)
-    c10::cuda::CUDAGuard guard(q.device());
-    std::string const err = run_fwd_cuda(params, to_dtype(q.scalar_type()), at::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err.empty(), "flash_ext.fwd (CUDA): ", err);
-#else
-    TORCH_CHECK(false, "flash_ext was built without CUDA; rebuild with a CUDA toolkit or pass CPU tensors");
-#endif
+  FwdParams p;
+  set_layout(p, q, k, v, out, lse);
+  p.b = int(b);
+  p.seqlen_q = int(sq);
+  p.seqlen_k = int(sk);
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
+  launch(p, q, "flash_ext.fwd");
+  return {out, lse};
+}
+
+// cu_seqlens values are checked on the CPU: a host copy of b + 1 integers when they live on the GPU (one
+// synchronisation).  FLASH_EXT_TRUST_CU_SEQLENS=1 skips that on CUDA for callers that guarantee valid
+// values; invalid values are then undefined behaviour, as in flash_attn.
+void check_cu_seqlens_values(ArgChecker& c, at::Tensor const& cu, char const* name, int64_t total, bool total_exact,
+                             int64_t max_seqlen, char const* max_name) {
+  at::Tensor host = cu.to(at::kCPU).contiguous();
+  auto const* x = host.data_ptr<int>();
+  int64_t const n = host.numel();
+  c.require(x[0] == 0, std::string(name) + "[0]", std::to_string(x[0]), "must be 0");
+  int64_t first_drop = -1, longest = 0;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    if (x[i + 1] < x[i] && first_drop < 0) { first_drop = i + 1; }
+    longest = std::max<int64_t>(longest, int64_t(x[i + 1]) - x[i]);
   }
+  c.require(first_drop < 0, name, "a decrease at index " + std::to_string(first_drop), "must be non-decreasing");
+  bool const total_ok = total_exact ? x[n - 1] == total : (x[n - 1] >= 0 && x[n - 1] <= total);
+  c.require(total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
+            std::string(total_exact ? "must equal " : "must be <= ") + "the number of rows " + std::to_string(total));
+  c.require(longest <= max_seqlen, max_name, std::to_string(max_seqlen),
+            "must be >= the longest sequence in " + std::string(name) + " (" + std::to_string(longest) + ")");
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                              at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                                              std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+                                              int64_t max_seqlen_k, double softmax_scale, bool causal,
+                                              int64_t window_left, int64_t window_right, double softcap,
+                                              std::optional<at::Tensor> const& alibi_slopes) {
+  ArgChecker c("flash_ext.varlen_fwd");
+  bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true);
+  bool cu_ok = true;
+  for (auto const& [name, t] : {std::pair{"cu_seqlens_q", &cu_seqlens_q}, std::pair{"cu_seqlens_k", &cu_seqlens_k}}) {
+    bool const ok = t->dim() == 1 && t->numel() >= 1 && t->scalar_type() == at::kInt && t->device() == q.device();
+    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+              "must be a 1-D int32 tensor of length batch + 1 on q's device");
+    cu_ok = cu_ok && ok;
+  }
+  if (cu_ok) {
+    c.require(cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k", "length " + std::to_string(cu_seqlens_k.numel()),
+              "must have the length of cu_seqlens_q (" + std::to_string(cu_seqlens_q.numel()) + ")");
+    cu_ok = cu_seqlens_k.numel() == cu_seqlens_q.numel();
+  }
+  int64_t const b = std::max<int64_t>(cu_seqlens_q.numel() - 1, 0);
+  bool used_ok = true;
+  if (seqused_k.has_value()) {
+    auto const& s = *seqused_k;
+    used_ok = s.dim() == 1 && s.numel() == b && s.scalar_type() == at::kInt && s.device() == q.device();
+    c.require(used_ok, "seqused_k", str(s.scalar_type()) + " " + str(s.sizes()) + " on " + str(s.device()),
+              "must be a 1-D int32 tensor of length batch (" + std::to_string(b) + ") on q's device");
+  }
+  c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
+  c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
+  if (shapes_ok) {
+    check_options(c, q, b, q.size(1), softmax_scale, window_left, window_right, softcap, alibi_slopes);
+  }
+  static bool const trust = [] {
+    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  if (shapes_ok && cu_ok && (q.device().is_cpu() || !trust)) {
+    check_cu_seqlens_values(c, cu_seqlens_q, "cu_seqlens_q", q.size(0), /*total_exact=*/true, max_seqlen_q, "max_seqlen_q");
+    check_cu_seqlens_values(c, cu_seqlens_k, "cu_seqlens_k", k.size(0), /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
+    if (seqused_k.has_value() && used_ok) {
+      at::Tensor used = seqused_k->to(at::kCPU).contiguous(), cu = cu_seqlens_k.to(at::kCPU).contiguous();
+      int64_t bad = -1;
+      for (int64_t i = 0; i < b && bad < 0; ++i) {
+        int const u = used.data_ptr<int>()[i];
+        if (u < 0 || u > cu.data_ptr<int>()[i + 1] - cu.data_ptr<int>()[i]) { bad = i; }
+      }
+      c.require(bad < 0, "seqused_k", "value at index " + std::to_string(bad), "must be within [0, that sequence's key count]");
+    }
+  }
+  c.raise_if_any();
+
+  int64_t const total_q = q.size(0), h = q.size(1), d = q.size(2);
+  at::Tensor out = at::empty({total_q, h, d}, q.options());
+  at::Tensor lse = at::empty({h, total_q}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0 || b == 0 || max_seqlen_q == 0) { return {out, lse}; }
+  maybe_poison(out, lse);
+  std::optional<at::Tensor> alibi;
+  if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
+  at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  std::optional<at::Tensor> used;
+  if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
+  FwdParams p;
+  set_layout(p, q, k, v, out, lse);
+  p.b = int(b);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.total_q = int(total_q);
+  p.cu_seqlens_q = cu_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_k.data_ptr<int>();
+  p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
+  launch(p, q, "flash_ext.varlen_fwd");
   return {out, lse};
 }
 
@@ -246,14 +370,24 @@ TORCH_LIBRARY(flash_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
+      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
+      "float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse)");
   m.def("_set_poison_outputs(bool enable) -> bool", &set_poison_outputs);
   m.def("_build_info() -> str", &build_info);
 }
 
-TORCH_LIBRARY_IMPL(flash_ext, CPU, m) { m.impl("fwd", &fwd); }
+TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {
+  m.impl("fwd", &fwd);
+  m.impl("varlen_fwd", &varlen_fwd);
+}
 
 #if defined(FLASH_EXT_WITH_CUDA)
-TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("fwd", &fwd); }
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
+  m.impl("fwd", &fwd);
+  m.impl("varlen_fwd", &varlen_fwd);
+}
 #endif
 
 }  // namespace flash_ext

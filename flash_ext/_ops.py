@@ -14,6 +14,13 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
     return out, lse
 
 
+@torch.library.register_fake("flash_ext::varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, softcap, alibi_slopes):
+    total_q, h, d = q.shape
+    return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
+
+
 def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
@@ -25,3 +32,4 @@ def _fwd_backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("flash_ext::varlen_fwd", _fwd_backward, setup_context=_fwd_setup_context)

@@ -8,7 +8,10 @@ import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+__all__ = [
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+]
 
 
 def _check_python_args(dropout_p: float, window_size) -> None:
@@ -116,3 +119,98 @@ def flash_attn_kvpacked_func(
         raise ValueError(f"flash_ext: kv: got shape {tuple(kv.shape)}; must be (batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+):
+    """Attention over a batch of sequences of different lengths, packed without padding (flash_attn 2.8).
+
+    q ``(total_q, nheads, headdim)``, k/v ``(total_k, nheads_k, headdim)``; sequence ``i`` is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` of k/v (int32, length
+    batch + 1, starting at 0).  ``max_seqlen_q``/``max_seqlen_k`` must be at least the longest sequence.
+    ``seqused_k`` (int32, (batch,)), if given, uses only the first ``seqused_k[i]`` keys of sequence ``i``.
+    Causal and window masks are aligned per sequence (bottom-right); all other arguments as in
+    ``flash_attn_func``.  Returns ``out (total_q, nheads, headdim)``, or with ``return_attn_probs``
+    ``(out, softmax_lse (nheads, total_q) fp32, None)``.
+
+    The cu_seqlens values are validated (on CUDA this costs one device-to-host copy of them); set
+    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip that when they are known to be valid.  ``block_table`` (paged
+    KV) is not implemented yet.
+    """
+    _check_python_args(dropout_p, window_size)
+    if block_table is not None:
+        raise NotImplementedError("flash_ext: block_table (paged KV) is not implemented yet")
+    head_dim = q.shape[-1] if q.dim() >= 1 else 0
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
+    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
+    if q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == head_dim and v.shape[-1] == head_dim:
+        q, k, v = (_prepare(t, padded) for t in (q, k, v))
+    out, lse = torch.ops.flash_ext.varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_varlen_func`` on packed ``qkv`` of shape ``(total, 3, nheads, headdim)`` (no copy)."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"flash_ext: qkv: got shape {tuple(qkv.shape)}; must be (total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_varlen_func`` with packed ``kv`` of shape ``(total_k, 2, nheads_k, headdim)`` (no copy)."""
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"flash_ext: kv: got shape {tuple(kv.shape)}; must be (total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

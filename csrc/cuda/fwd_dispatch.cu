@@ -63,7 +63,7 @@ void fill_plan(CudaPlan& plan, FwdParams const& params) {
   plan.block_n = Traits::kBlockN;
   plan.num_warps = Traits::kNWarps;
   plan.smem_bytes = Traits::kSmemBytes;
-  plan.variant = select_variant(kCausal, problem_flags<Traits>(params));
+  plan.variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
   plan.variant_name = plan.variant >= 0 ? kVariants[plan.variant].name : "";
   plan.grid_m = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   plan.ok = plan.variant >= 0;

@@ -15,12 +15,29 @@ CUTE_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; 
 struct BlockInfo {
   int seqlen_q;
   int seqlen_k;
+  int q_start;  // first row of this sequence in q/o (varlen), else -1
+  int k_start;  // first row of this sequence in k/v (varlen), else -1
 
-  CUTE_HOST_DEVICE BlockInfo(FwdParams const& params, int /*bidb*/)
-      : seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k) {}
+  CUTE_HOST_DEVICE BlockInfo(FwdParams const& params, int bidb)
+      : q_start(params.cu_seqlens_q ? params.cu_seqlens_q[bidb] : -1),
+        k_start(params.cu_seqlens_k ? params.cu_seqlens_k[bidb] : -1) {
+    seqlen_q = params.cu_seqlens_q ? params.cu_seqlens_q[bidb + 1] - q_start : params.seqlen_q;
+    seqlen_k = params.cu_seqlens_k ? params.cu_seqlens_k[bidb + 1] - k_start : params.seqlen_k;
+    if (params.seqused_k) { seqlen_k = params.seqused_k[bidb]; }
+  }
 
-  CUTE_HOST_DEVICE index_t q_offset(index_t batch_stride, int bidb) const { return index_t(bidb) * batch_stride; }
-  CUTE_HOST_DEVICE index_t k_offset(index_t batch_stride, int bidb) const { return index_t(bidb) * batch_stride; }
+  // Element offsets of this batch entry's first row.
+  CUTE_HOST_DEVICE index_t q_offset(index_t batch_stride, index_t row_stride, int bidb) const {
+    return q_start >= 0 ? index_t(q_start) * row_stride : index_t(bidb) * batch_stride;
+  }
+  CUTE_HOST_DEVICE index_t k_offset(index_t batch_stride, index_t row_stride, int bidb) const {
+    return k_start >= 0 ? index_t(k_start) * row_stride : index_t(bidb) * batch_stride;
+  }
+  // LSE is (b, h, seqlen_q) for fixed-length batches and (h, total_q) for varlen.
+  CUTE_HOST_DEVICE index_t lse_offset(FwdParams const& params, int bidb, int bidh) const {
+    return q_start >= 0 ? index_t(bidh) * params.total_q + q_start
+                        : (index_t(bidb) * params.h + bidh) * params.seqlen_q;
+  }
 
   // Bottom-right alignment: query row i sits on the diagonal at key column i + seqlen_k - seqlen_q.
   CUTE_HOST_DEVICE int diagonal(int row) const { return row + seqlen_k - seqlen_q; }

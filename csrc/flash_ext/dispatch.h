@@ -2,9 +2,13 @@
 // constexpr functions, so the rules can be read, unit-tested on the host, and reported by explain().
 #pragma once
 
+#include <type_traits>
+
+#include <cute/config.hpp>
 #include <cute/numeric/integral_constant.hpp>
 
 #include "flags.h"
+#include "params.h"
 
 namespace flash_ext {
 
@@ -69,6 +73,14 @@ constexpr FlagMode local_mode(Variant v, bool causal) { return causal ? FlagMode
 struct ProblemFlags {
   bool even_mn, even_k, local, alibi, softcap;
 };
+
+// The runtime facts the flags stand for, for a tile of block_m x block_n and a head-dim tile.  Varlen
+// batches are never "even": each sequence has its own length.
+CUTE_HOST_DEVICE constexpr ProblemFlags problem_flags(FwdParams const& p, int block_m, int block_n, int head_dim) {
+  bool const varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
+  return {!varlen && p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0, p.d == head_dim, p.is_local,
+          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f};
+}
 
 constexpr bool admits(FlagMode mode, bool value) {
   return mode == FlagMode::kRuntime || (mode == FlagMode::kTrue) == value;

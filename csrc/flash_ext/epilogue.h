@@ -35,8 +35,8 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   Tensor taccOsO = smem_thr_copy_O.partition_D(sO);                                        // ((ATOM,ATOM_NUM),MMA_M,MMA_K)
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
-  // LSE, (b, h, seqlen_q) fp32.
-  Tensor mLSE = make_tensor(make_gmem_ptr(params.softmax_lse_ptr + (index_t(bidb) * params.h + bidh) * binfo.seqlen_q),
+  // LSE: (b, h, seqlen_q) or, varlen, (h, total_q) fp32.
+  Tensor mLSE = make_tensor(make_gmem_ptr(params.softmax_lse_ptr + binfo.lse_offset(params, bidb, bidh)),
                             make_shape(binfo.seqlen_q));                                   // (SEQ_Q)
   Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});                  // (BLK_M,HEAD_DIM) -> (m,k)
   Tensor taccOcO = acc_rowcol<Traits::kAccValCols>(thr_mma.partition_C(cO));               // (ROWS,COLS) -> (m,k)
@@ -50,7 +50,7 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   // sO was written in the MMA's thread layout and is read back in the copy's layout.
   Traits::barrier();
 
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o_batch_stride, bidb)),
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)),
                           make_shape(binfo.seqlen_q, params.h, params.d),
                           make_stride(params.o_row_stride, params.o_head_stride, _1{}));   // (SEQ_Q,H,D)
   Tensor gO = local_tile(mO(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M,HEAD_DIM)

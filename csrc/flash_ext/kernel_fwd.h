@@ -10,6 +10,7 @@
 
 #include "block_info.h"
 #include "copy.h"
+#include "dispatch.h"
 #include "epilogue.h"
 #include "flags.h"
 #include "gemm.h"
@@ -20,16 +21,18 @@
 namespace flash_ext {
 
 // The flags as the body sees them: static members keep their constant, runtime members are computed
-// from the problem.  The dispatcher only picks a static combination that agrees with these values.
+// from the problem (problem_flags, shared with the dispatcher, which only picks a static combination that
+// agrees with these values).
 template <class Traits, class Flags>
 CUTE_HOST_DEVICE Flags flags_from_params(FwdParams const& p) {
+  ProblemFlags const pf = problem_flags(p, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim);
   Flags f;
-  f.even_mn = make_flag<decltype(f.even_mn)>(p.seqlen_q % Traits::kBlockM == 0 && p.seqlen_k % Traits::kBlockN == 0);
-  f.even_k = make_flag<decltype(f.even_k)>(p.d == Traits::kHeadDim);
+  f.even_mn = make_flag<decltype(f.even_mn)>(pf.even_mn);
+  f.even_k = make_flag<decltype(f.even_k)>(pf.even_k);
   f.causal = make_flag<decltype(f.causal)>(p.is_causal);
-  f.local = make_flag<decltype(f.local)>(p.is_local);
-  f.alibi = make_flag<decltype(f.alibi)>(p.alibi_slopes_ptr != nullptr);
-  f.softcap = make_flag<decltype(f.softcap)>(p.softcap > 0.f);
+  f.local = make_flag<decltype(f.local)>(pf.local);
+  f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
+  f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
   return f;
 }
 
@@ -65,13 +68,13 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   }
 
   int const bidh_kv = bidh / params.h_h_k_ratio;  // GQA/MQA: consecutive query heads share a K/V head
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, bidb)),
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb)),
                           make_shape(binfo.seqlen_q, params.h, params.d),
                           make_stride(params.q_row_stride, params.q_head_stride, _1{}));   // (SEQ_Q,H,D)
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k_ptr) + binfo.k_offset(params.k_batch_stride, bidb)),
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k_ptr) + binfo.k_offset(params.k_batch_stride, params.k_row_stride, bidb)),
                           make_shape(binfo.seqlen_k, params.h_k, params.d),
                           make_stride(params.k_row_stride, params.k_head_stride, _1{}));   // (SEQ_K,H_K,D)
-  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v_ptr) + binfo.k_offset(params.v_batch_stride, bidb)),
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v_ptr) + binfo.k_offset(params.v_batch_stride, params.v_row_stride, bidb)),
                           make_shape(binfo.seqlen_k, params.h_k, params.d),
                           make_stride(params.v_row_stride, params.v_head_stride, _1{}));   // (SEQ_K,H_K,D)
   Tensor gQ = local_tile(mQ(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));   // (BLK_M,HEAD_DIM)

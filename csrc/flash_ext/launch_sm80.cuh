@@ -28,12 +28,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(__grid_
                                  int(blockIdx.z), int(blockIdx.x), int(threadIdx.x), smem);
 }
 
-template <class Traits>
-ProblemFlags problem_flags(FwdParams const& p) {
-  return {p.seqlen_q % Traits::kBlockM == 0 && p.seqlen_k % Traits::kBlockN == 0, p.d == Traits::kHeadDim,
-          p.is_local, p.alibi_slopes_ptr != nullptr, p.softcap > 0.f};
-}
-
 template <class Traits, class Flags>
 std::string launch_fwd(FwdParams const& params, cudaStream_t stream) {
   auto kernel = &flash_fwd_kernel<Traits, Flags>;
@@ -63,7 +57,7 @@ std::string launch_variant(FwdParams const& params, cudaStream_t stream, int var
 template <int kHeadDim, class Element, bool kCausal>
 std::string run_fwd_sm80(FwdParams const& params, cudaStream_t stream) {
   using Traits = typename Sm80Fwd<kHeadDim, Element, kCausal>::Traits;
-  int const variant = select_variant(kCausal, problem_flags<Traits>(params));
+  int const variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
   return launch_variant<Traits, kCausal>(params, stream, variant);
 }
 

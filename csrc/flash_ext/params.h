@@ -25,6 +25,15 @@ struct FwdParams {
   // no key (its O row is 0).
   float* __restrict__ softmax_lse_ptr = nullptr;
 
+  // Variable-length batches: sequence i of the batch occupies rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of
+  // q/o (total_q, h, d) and [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k/v (total_k, h_k, d).  seqused_k, if
+  // set, limits sequence i to its first seqused_k[i] keys.  seqlen_q/seqlen_k then hold the maxima (they
+  // size the grid), and the LSE is (h, total_q).  nullptr: fixed-length batch.
+  int const* __restrict__ cu_seqlens_q = nullptr;
+  int const* __restrict__ cu_seqlens_k = nullptr;
+  int const* __restrict__ seqused_k = nullptr;
+  int total_q = 0;
+
   int b = 0, h = 0, h_k = 0;
   int h_h_k_ratio = 1;  // h / h_k: query heads sharing one K/V head (MQA/GQA)
   int seqlen_q = 0, seqlen_k = 0;
