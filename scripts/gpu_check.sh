@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The one prepared GPU run (an H200 lent through the device tool, ~8 minutes): builds for sm_90 only the
+# head dims it needs, reports kernel resources, runs the GPU tests, compute-sanitizer memcheck and racecheck
+# on small cases, then the benchmark against torch SDPA.  Full logs go to $OUT (default ./gpu_out); a
+# short table is printed last.  Needs CUTLASS headers: carry them (see docs/perf.md) or set
+# CUTLASS_INCLUDE_DIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH=$CUDA_HOME/bin:$PATH PYTHONUNBUFFERED=1
+if [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -d .carry/cutlass/include ]; then export CUTLASS_INCLUDE_DIR=$PWD/.carry/cutlass/include; fi
+PY=${PY:-python3}
+declare -A status
+step() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  status[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
+  echo "== $name: ${status[$name]}"
+  tail -n 5 "$OUT/$name.log"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
+git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
+
+FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=${FLASH_EXT_HEADDIMS:-64,128} MAX_JOBS=${MAX_JOBS:-16} \
+  step build 300 $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
+step kernels 60 $PY scripts/kernel_report.py flash_ext/_C*.so --out "$OUT/kernels.md" --gate
+step tests 180 $PY -m pytest -q -x -m "cuda" tests
+step memcheck 120 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 $PY scripts/sanitizer_cases.py
+step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitizer_cases.py --quick
+step bench 150 $PY -m flash_ext.bench --device cuda --json "$OUT/bench.json"
+
+echo
+echo "== summary ($(cat "$OUT/commit.txt"), $(head -2 "$OUT/gpu.txt" | tail -1))"
+for s in build kernels tests memcheck racecheck bench; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
+grep -E "TFLOP|ratio|FAIL" "$OUT/bench.log" | tail -n 30 || true
