@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -47,6 +48,7 @@ class ArgChecker {
     for (auto const& e : errors_) { os << "\n  - " << e; }
     TORCH_CHECK_VALUE(false, os.str());
   }
+  std::vector<std::string> const& errors() const { return errors_; }
 
  private:
   std::string op_;
@@ -69,6 +71,7 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
+// The GPU traits move 16-byte vectors: every row must start on a 16-byte boundary.
 bool aligned16(at::Tensor const& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) { return false; }
   for (int i = 0; i < t.dim() - 1; ++i) {
@@ -102,7 +105,7 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   bool const ranks_ok = q.dim() == rank && k.dim() == rank && v.dim() == rank;
   if (!ranks_ok) { return false; }
   int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
-  c.require(d <= 256, "head_dim", std::to_string(d), "must be <= 256");
+  c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
   c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   c.require(k.sizes() == v.sizes(), "v.shape", str(v.sizes()), "must equal k.shape " + str(k.sizes()));
   if (!varlen) {
@@ -111,12 +114,6 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   c.require(k.size(-1) == d, "k.shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
   c.require(hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", k/v " + std::to_string(hk),
             "q heads must be a multiple of k/v heads (MQA/GQA)");
-  if (q.device().is_cuda()) {
-    for (auto const& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
-      c.require(aligned16(*t), name, "data_ptr/strides not 16-byte aligned",
-                "CUDA inputs need a 16-byte aligned start and strides that are multiples of 8 (the Python functions copy such inputs)");
-    }
-  }
   return true;
 }
 
@@ -126,11 +123,13 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
   c.require(window_left >= -1, "window_size[0]", std::to_string(window_left), "must be >= -1 (-1: unbounded)");
   c.require(window_right >= -1, "window_size[1]", std::to_string(window_right), "must be >= -1 (-1: unbounded)");
   c.require(softcap >= 0 && std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite and >= 0 (0: off)");
-  c.require(std::isfinite(softmax_scale), "softmax_scale", std::to_string(softmax_scale), "must be finite");
+  // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
+  c.require(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale", std::to_string(softmax_scale),
+            "must be finite and > 0");
   if (alibi_slopes.has_value()) {
     auto const& a = *alibi_slopes;
     bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == heads);
-    c.require(shape_ok, "alibi_slopes.shape", str(a.sizes()),
+    c.require(shape_ok || heads < 0, "alibi_slopes.shape", str(a.sizes()),
               "must be (heads,) = (" + std::to_string(heads) + ",) or (batch, heads) = (" + std::to_string(batch) + ", " +
                   std::to_string(heads) + ")");
     c.require(a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
@@ -170,10 +169,14 @@ void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t wind
   }
   p.score_scale_log2 = float(double(p.score_scale) * M_LOG2E);
 
-  // A side at least seqlen_k wide bounds nothing.  causal is window (-1, 0) (a finite left window with
-  // causal makes a local problem).  With one query row, bottom-right causal shows every key.
-  if (window_left >= p.seqlen_k) { window_left = -1; }
-  if (window_right >= p.seqlen_k) { window_right = -1; }
+  // A side that bounds nothing becomes -1, so the cheaper kernel runs: the left bound i + sk - sq - left is
+  // <= 0 for every row when left >= sk - 1, the right bound i + sk - sq + right >= sk - 1 for every row
+  // when right >= sq - 1.  (flash_attn 2.8 uses right >= sk, which also drops keys the window hides when
+  // sq > sk + 1; the documented rule is kept here.)  For varlen, sq and sk are the maxima: still exact.
+  // causal is window (-1, 0) (a finite left window with causal makes a local problem).  With one query
+  // row, bottom-right causal shows every key.
+  if (window_left >= std::max(p.seqlen_k - 1, 0)) { window_left = -1; }
+  if (window_right >= std::max(p.seqlen_q - 1, 0)) { window_right = -1; }
   if (causal) { window_right = 0; }
   p.window_left = int(window_left);
   p.window_right = int(window_right);
@@ -190,7 +193,73 @@ void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t wind
   }
 }
 
+std::string json_escape(std::string const& x) {
+  std::string out;
+  for (char ch : x) {
+    if (ch == '"' || ch == '\\') { out += '\\'; }
+    out += ch;
+  }
+  return out;
+}
+
+// What would run for these params, as one JSON object: the backend, the traits' tile, the flag values the
+// kernel is specialised on, the variant, shared memory and grid; or ok=false with the reasons.
+std::string plan_json(FwdParams const& p, at::Tensor const& q) {
+  std::ostringstream os;
+  int block_m = 0, block_n = 0, head_dim = 0, threads = 0, smem = 0;
+  std::string backend, variant = "runtime flags", why, device = q.device().str();
+  bool ok = true;
+  if (q.device().is_cpu()) {
+    backend = "host traits (CPU)";
+    head_dim = host_head_dim_for(p.d);
+    block_m = kHostBlockM;
+    block_n = kHostBlockN;
+    threads = 1;
+    smem = (block_m + 2 * block_n) * head_dim * int(q.element_size());
+  } else {
+#if defined(FLASH_EXT_WITH_CUDA)
+    backend = "Sm80 traits (CUDA)";
+    int const idx = q.device().index();
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, idx) == cudaSuccess) {
+      device += " (" + std::string(prop.name) + ", sm_" + std::to_string(prop.major * 10 + prop.minor) + ")";
+      CudaPlan const cp = plan_fwd_cuda(p, to_dtype(q.scalar_type()), prop.major, prop.minor,
+                                        int(prop.sharedMemPerBlockOptin));
+      ok = cp.ok;
+      why = cp.why;
+      head_dim = cp.head_dim, block_m = cp.block_m, block_n = cp.block_n, threads = 32 * cp.num_warps,
+      smem = cp.smem_bytes;
+      variant = cp.variant_name;
+    } else {
+      ok = false;
+      why = "cannot query the CUDA device";
+    }
+#else
+    ok = false;
+    why = "flash_ext was built without CUDA";
+#endif
+  }
+  ProblemFlags const f = ok && block_m ? problem_flags(p, block_m, block_n, head_dim) : ProblemFlags{};
+  int const grid_m = block_m ? (p.seqlen_q + block_m - 1) / block_m : 0;
+  auto b = [](bool x) { return x ? "true" : "false"; };
+  os << "{\"ok\": " << b(ok) << ", \"reasons\": [" << (why.empty() ? "" : "\"" + json_escape(why) + "\"") << "]"
+     << ", \"device\": \"" << json_escape(device) << "\", \"backend\": \"" << backend << "\""
+     << ", \"head_dim\": " << p.d << ", \"head_dim_tile\": " << head_dim << ", \"block_m\": " << block_m
+     << ", \"block_n\": " << block_n << ", \"threads_per_cta\": " << threads << ", \"smem_bytes\": " << smem
+     << ", \"variant\": \"" << variant << "\", \"grid\": [" << grid_m << ", " << p.b << ", " << p.h << "]"
+     << ", \"num_splits\": 1, \"varlen\": " << b(p.cu_seqlens_q != nullptr)
+     << ", \"flags\": {\"even_mn\": " << b(f.even_mn) << ", \"even_k\": " << b(f.even_k) << ", \"causal\": "
+     << b(p.is_causal) << ", \"local\": " << b(p.is_local) << ", \"alibi\": " << b(p.alibi_slopes_ptr != nullptr)
+     << ", \"softcap\": " << b(p.softcap > 0) << "}, \"window\": [" << p.window_left << ", " << p.window_right << "]}";
+  return os.str();
+}
+
 void launch(FwdParams const& params, at::Tensor const& q, char const* op) {
+  static bool const log = [] {
+    char const* e = std::getenv("FLASH_EXT_LOG");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  if (log) { std::fprintf(stderr, "[flash_ext] %s %s\n", op, plan_json(params, q).c_str()); }
   if (q.device().is_cpu()) {
     run_fwd_cpu(params, to_dtype(q.scalar_type()));
     return;
@@ -202,6 +271,14 @@ void launch(FwdParams const& params, at::Tensor const& q, char const* op) {
 #else
   TORCH_CHECK(false, op, ": flash_ext was built without CUDA; rebuild with a CUDA toolkit or pass CPU tensors");
 #endif
+}
+
+// CUDA inputs whose rows are not 16-byte aligned are copied into fresh (aligned) storage; CPU inputs are
+// read element-wise and used as they are.
+at::Tensor aligned_for_kernel(at::Tensor const& t) {
+  if (!t.is_cuda() || aligned16(t)) { return t; }
+  at::Tensor c = t.contiguous();
+  return aligned16(c) ? c : c.clone();
 }
 
 void maybe_poison(at::Tensor& out, at::Tensor& lse) {
@@ -216,9 +293,9 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
                                        int64_t window_right, double softcap,
                                        std::optional<at::Tensor> const& alibi_slopes) {
   ArgChecker c("flash_ext.fwd");
-  if (check_qkv(c, q, k, v, /*varlen=*/false)) {
-    check_options(c, q, q.size(0), q.size(2), softmax_scale, window_left, window_right, softcap, alibi_slopes);
-  }
+  bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
+  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
+                window_right, softcap, alibi_slopes);
   c.raise_if_any();
   int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3), sk = k.size(1);
   at::Tensor out = at::empty({b, sq, h, d}, q.options());
@@ -232,8 +309,9 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   maybe_poison(out, lse);
   std::optional<at::Tensor> alibi;
   if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
+  at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k), va = aligned_for_kernel(v);
   FwdParams p;
-  set_layout(p, q, k, v, out, lse);
+  set_layout(p, qa, ka, va, out, lse);
   p.b = int(b);
   p.seqlen_q = int(sq);
   p.seqlen_k = int(sk);
@@ -294,9 +372,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   }
   c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
   c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
-  if (shapes_ok) {
-    check_options(c, q, b, q.size(1), softmax_scale, window_left, window_right, softcap, alibi_slopes);
-  }
+  check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap,
+                alibi_slopes);
   static bool const trust = [] {
     char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
     return e != nullptr && std::string(e) == "1";
@@ -326,8 +403,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
   std::optional<at::Tensor> used;
   if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
+  at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k), va = aligned_for_kernel(v);
   FwdParams p;
-  set_layout(p, q, k, v, out, lse);
+  set_layout(p, qa, ka, va, out, lse);
   p.b = int(b);
   p.seqlen_q = int(max_seqlen_q);
   p.seqlen_k = int(max_seqlen_k);
@@ -338,6 +416,29 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
   launch(p, q, "flash_ext.varlen_fwd");
   return {out, lse};
+}
+
+// explain(): the plan for a fwd call, or every reason it cannot run.  Runs no kernel.
+std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
+                     int64_t window_left, int64_t window_right, double softcap,
+                     std::optional<at::Tensor> const& alibi_slopes) {
+  ArgChecker c("flash_ext.fwd");
+  bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
+  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
+                window_right, softcap, alibi_slopes);
+  if (!c.errors().empty()) {
+    std::string out = "{\"ok\": false, \"reasons\": [";
+    for (size_t i = 0; i < c.errors().size(); ++i) { out += (i ? ", \"" : "\"") + json_escape(c.errors()[i]) + "\""; }
+    return out + "]}";
+  }
+  at::Tensor out = at::empty({0}, q.options()), lse = at::empty({0}, q.options().dtype(at::kFloat));
+  FwdParams p;
+  set_layout(p, q, k, v, out, lse);
+  p.b = int(q.size(0));
+  p.seqlen_q = int(q.size(1));
+  p.seqlen_k = int(k.size(1));
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
+  return plan_json(p, q);
 }
 
 bool set_poison_outputs(bool enable) { return g_poison_outputs.exchange(enable); }
@@ -375,6 +476,10 @@ TORCH_LIBRARY(flash_ext, m) {
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse)");
   m.def("_set_poison_outputs(bool enable) -> bool", &set_poison_outputs);
+  m.def(
+      "_plan_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
+      "float softcap, Tensor? alibi_slopes) -> str",
+      &plan_fwd);
   m.def("_build_info() -> str", &build_info);
 }
 

@@ -10,6 +10,7 @@ import json
 import torch
 
 from . import _ops  # noqa: F401
+from .explain import Explanation, explain
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -23,7 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "build_info",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "build_info", "explain",
+    "Explanation",
 ]
 
 

@@ -6,8 +6,17 @@ import torch
 from . import _C  # noqa: F401  (loads the shared library, which registers torch.ops.flash_ext.*)
 
 
+def _check_same_device(op: str, tensors: dict) -> None:
+    """The fake kernels also run when a meta tensor is mixed with real ones; refuse that like the real op."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"flash_ext.{op}: tensors are on different devices ({listed}); all must share q's device")
+
+
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    _check_same_device("fwd", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -17,6 +26,9 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 @torch.library.register_fake("flash_ext::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal, window_left, window_right, softcap, alibi_slopes):
+    _check_same_device("varlen_fwd", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                                      "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
+                                      "alibi_slopes": alibi_slopes})
     total_q, h, d = q.shape
     return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
 

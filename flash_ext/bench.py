@@ -18,8 +18,10 @@ Run ``python -m flash_ext.bench --help`` for every option.  Two modes:
     marked FAIL and no flash_ext speed is reported for it.
 
     Timing: CUDA events around each call after ``--warmup`` calls, median of ``--repeats``; on the CPU
-    ``time.perf_counter`` around each call, median of ``--repeats``.  The number of CPU threads is
-    torch's default (printed and recorded).  Every implementation gets the same inputs; SDPA gets them in
+    ``time.perf_counter`` around each call, median of ``--repeats``; the process CPU time of each call
+    is recorded too (column ``x best (cpu time)``: the ratio from CPU time, steadier than wall time when
+    other processes share the cores).  The number of CPU threads is torch's default (printed and
+    recorded; ``--threads`` changes it).  Every implementation gets the same inputs; SDPA gets them in
     its native ``(batch, nheads, seqlen, head_dim)`` contiguous layout (``--sdpa-layout bhsd``, the
     layout most favourable to SDPA) and flash_ext in its native ``(batch, seqlen, nheads, head_dim)``.
 
@@ -195,10 +197,13 @@ def check_against_sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     return ok, max_err, atol
 
 
-def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> List[float]:
+def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
+            cpu_times: Optional[List[float]] = None) -> List[float]:
     """Seconds per call of ``fn`` for ``repeats`` calls after ``warmup`` calls.
 
-    CUDA: a pair of CUDA events around each call.  CPU: ``time.perf_counter`` around each call.
+    CUDA: a pair of CUDA events around each call.  CPU: ``time.perf_counter`` around each call; when
+    ``cpu_times`` is given, the process CPU time (``time.process_time``, all threads) of each call is
+    appended to it.  On a loaded machine the CPU time is the steadier measure of the work a call does.
     """
     for _ in range(warmup):
         fn()
@@ -215,9 +220,12 @@ def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
             times.append(start.elapsed_time(end) / 1e3)
     else:
         for _ in range(repeats):
+            c0 = time.process_time()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+            if cpu_times is not None:
+                cpu_times.append(time.process_time() - c0)
     return times
 
 
@@ -475,6 +483,7 @@ class ImplResult:
     min_s: Optional[float] = None
     times_s: List[float] = field(default_factory=list)
     tflops: Optional[float] = None
+    cpu_median_s: Optional[float] = None  # CPU device only: median process CPU time per call
 
 
 @dataclass
@@ -493,17 +502,20 @@ class FwdRow:
     best_sdpa: Optional[str] = None
     ratio_best_sdpa: Optional[float] = None
     ratio_sdpa_flash: Optional[float] = None
+    ratio_best_sdpa_cpu_time: Optional[float] = None  # CPU device: same ratio from process CPU time
 
 
 def _time_impl(fn: Callable[[], Any], device: torch.device, flops: float, warmup: int,
                repeats: int) -> ImplResult:
+    cpu_times: List[float] = []
     try:
-        times = time_fn(fn, device, warmup, repeats)
+        times = time_fn(fn, device, warmup, repeats, cpu_times)
     except Exception as exc:  # noqa: BLE001 - reported in the table
         _free_device_memory(device)
         return ImplResult(status="OOM" if _is_oom(exc) else "ERR", note=_short_error(exc))
     med = statistics.median(times)
-    return ImplResult(median_s=med, min_s=min(times), times_s=times, tflops=flops / med / 1e12)
+    return ImplResult(median_s=med, min_s=min(times), times_s=times, tflops=flops / med / 1e12,
+                      cpu_median_s=statistics.median(cpu_times) if cpu_times else None)
 
 
 def _cpu_would_exhaust_ram(nbytes: float) -> bool:
@@ -592,6 +604,9 @@ def bench_fwd_config(cfg: FwdConfig, device: torch.device, backends: Sequence[st
             row.ratio_best_sdpa = fl.tflops / sdpa_ok[row.best_sdpa].tflops
         if "sdpa:flash" in sdpa_ok:
             row.ratio_sdpa_flash = fl.tflops / sdpa_ok["sdpa:flash"].tflops
+        best = sdpa_ok.get(row.best_sdpa) if row.best_sdpa else None
+        if fl.cpu_median_s and best is not None and best.cpu_median_s:
+            row.ratio_best_sdpa_cpu_time = best.cpu_median_s / fl.cpu_median_s
     return row
 
 
@@ -623,8 +638,9 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device) -> str:
     impl_cols = ["flash_ext"] + [f"sdpa:{n}" for n in SDPA_BACKENDS] + ["naive"]
     # Only columns in which something was measured (or which failed in an interesting way).
     shown = [c for c in impl_cols if any(c in r.impls and r.impls[c].status not in ("skip",) for r in rows)]
+    cpu = device.type == "cpu"
     headers = ["dtype", "b", "s", "h", "d", "causal", "flash ms"] + [f"{c} TF/s" for c in shown] + [
-        "best sdpa", "x best", "x sdpa:flash", "max err", "check"]
+        "best sdpa", "x best", "x sdpa:flash"] + (["x best (cpu time)"] if cpu else []) + ["max err", "check"]
     table_rows = []
     for r in rows:
         cells = [r.dtype, str(r.batch), str(r.seqlen), str(r.nheads), str(r.head_dim), "Y" if r.causal else "N"]
@@ -639,7 +655,8 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device) -> str:
             else:
                 cells.append(ir.status)
         cells += [r.best_sdpa.replace("sdpa:", "") if r.best_sdpa else "-", _fmt(r.ratio_best_sdpa),
-                  _fmt(r.ratio_sdpa_flash), _fmt(r.max_err, 2), r.check]
+                  _fmt(r.ratio_sdpa_flash)] + ([_fmt(r.ratio_best_sdpa_cpu_time)] if cpu else []) + [
+                  _fmt(r.max_err, 2), r.check]
         table_rows.append(cells)
     return format_table(headers, table_rows)
 
@@ -768,8 +785,9 @@ def run_memory(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
                       f"flash_ext {row.flash_ext} {row.flash_status}", flush=True)
     method = ("torch.cuda.max_memory_allocated() - memory_allocated() before the call" if cuda else
               "rss: VmHWM after the call - VmRSS before (peak reset through /proc/self/clear_refs, "
-              "glibc mmap threshold fixed at 128 KiB, malloc_trim before each point); alloc: peak running sum "
-              "of torch.profiler memory events (torch CPU allocator only)")
+              "glibc mmap threshold fixed at 128 KiB, malloc_trim before each point)" +
+              ("" if args.no_cross_check else "; alloc: peak running sum of torch.profiler memory events "
+               "(torch CPU allocator only)"))
     return {"results": [asdict(r) for r in rows], "notes": [], "method": method,
             "_table": memory_table(rows, device), "_rows": rows}
 
@@ -861,6 +879,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal)")
     p.add_argument("--no-cross-check", action="store_true",
                    help="memory on CPU: skip the torch.profiler allocation cross-check")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads(N) first (default: leave torch's default, which is printed)")
     p.add_argument("--json", metavar="PATH", default=None, help="write all results and metadata as JSON")
     p.add_argument("--plot", metavar="PATH.png", default=None, help="plot the results (needs matplotlib)")
     return p
@@ -868,6 +888,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.causal is None:
         args.causal = "both" if args.mode == "fwd" else "no"
     if args.device is None:

@@ -18,19 +18,16 @@ def _check_python_args(dropout_p: float, window_size) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"flash_ext: dropout_p={dropout_p}: dropout is not implemented yet (only dropout_p=0.0 is supported)")
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"flash_ext: window_size: got {window_size!r}; must be a pair (left, right), -1 = unbounded")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"flash_ext: window_size: got {window_size!r}; must be a pair of ints (left, right), "
+                         "-1 = unbounded")
 
 
-def _prepare(t: torch.Tensor, pad_to: int) -> torch.Tensor:
-    """Pads the head dim to a multiple of 8 and makes CUDA tensors 16-byte aligned (the kernel's vector width)."""
+def _pad_head_dim(t: torch.Tensor, pad_to: int) -> torch.Tensor:
+    """Zero-pads the head dim to a multiple of 8 (the kernels' vector width); the op aligns CUDA inputs."""
     if t.dim() >= 1 and t.shape[-1] != pad_to:
         t = F.pad(t, [0, pad_to - t.shape[-1]])
-    if t.is_cuda and t.dim() >= 1:
-        misaligned = t.data_ptr() % 16 != 0 or t.stride(-1) != 1 or any(
-            s % 8 != 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-        if misaligned:
-            t = t.contiguous()
     return t
 
 
@@ -76,7 +73,7 @@ def flash_attn_func(
     padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
     same_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.shape[-1] == head_dim and v.shape[-1] == head_dim
     if same_d:
-        q, k, v = (_prepare(t, padded) for t in (q, k, v))
+        q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
     out, lse = torch.ops.flash_ext.fwd(q, k, v, float(softmax_scale), bool(causal), int(window_size[0]),
                                        int(window_size[1]), float(softcap), alibi_slopes)
     if out.shape[-1] != head_dim:
@@ -162,7 +159,7 @@ def flash_attn_varlen_func(
         softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
     padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
     if q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == head_dim and v.shape[-1] == head_dim:
-        q, k, v = (_prepare(t, padded) for t in (q, k, v))
+        q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
     out, lse = torch.ops.flash_ext.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)

@@ -20,7 +20,7 @@ TEMPLATE = """\
 #include "flash_ext/launch_sm80.cuh"
 
 namespace flash_ext {{
-template std::string run_fwd_sm80<{hd}, {ctype}, {causal}>(FwdParams const&, cudaStream_t);
+template std::string run_fwd_sm80<{hd}, {ctype}, {causal}>(FwdParams const&, cudaStream_t, SmemBudget);
 }}  // namespace flash_ext
 """
 

@@ -14,10 +14,10 @@
 namespace flash_ext {
 
 #define FLASH_EXT_DECLARE(HD)                                                                           \
-  extern template std::string run_fwd_sm80<HD, cutlass::half_t, false>(FwdParams const&, cudaStream_t);  \
-  extern template std::string run_fwd_sm80<HD, cutlass::half_t, true>(FwdParams const&, cudaStream_t);   \
-  extern template std::string run_fwd_sm80<HD, cutlass::bfloat16_t, false>(FwdParams const&, cudaStream_t); \
-  extern template std::string run_fwd_sm80<HD, cutlass::bfloat16_t, true>(FwdParams const&, cudaStream_t);
+  extern template std::string run_fwd_sm80<HD, cutlass::half_t, false>(FwdParams const&, cudaStream_t, SmemBudget);  \
+  extern template std::string run_fwd_sm80<HD, cutlass::half_t, true>(FwdParams const&, cudaStream_t, SmemBudget);   \
+  extern template std::string run_fwd_sm80<HD, cutlass::bfloat16_t, false>(FwdParams const&, cudaStream_t, SmemBudget); \
+  extern template std::string run_fwd_sm80<HD, cutlass::bfloat16_t, true>(FwdParams const&, cudaStream_t, SmemBudget);
 FLASH_EXT_DECLARE(32)
 FLASH_EXT_DECLARE(64)
 FLASH_EXT_DECLARE(96)
@@ -55,9 +55,9 @@ std::string built_list() {
   return s.empty() ? "none" : s;
 }
 
-template <int kHeadDim, class Element, bool kCausal>
-void fill_plan(CudaPlan& plan, FwdParams const& params) {
-  using Traits = typename Sm80Fwd<kHeadDim, Element, kCausal>::Traits;
+template <int kHeadDim, class Element, bool kCausal, SmemBudget kBudget>
+void fill_plan_traits(CudaPlan& plan, FwdParams const& params) {
+  using Traits = typename Sm80Fwd<kHeadDim, Element, kCausal, kBudget>::Traits;
   plan.head_dim = kHeadDim;
   plan.block_m = Traits::kBlockM;
   plan.block_n = Traits::kBlockN;
@@ -68,6 +68,15 @@ void fill_plan(CudaPlan& plan, FwdParams const& params) {
   plan.grid_m = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   plan.ok = plan.variant >= 0;
   if (!plan.ok) { plan.why = "no compiled flag variant admits this problem"; }
+}
+
+template <int kHeadDim, class Element, bool kCausal>
+void fill_plan(CudaPlan& plan, FwdParams const& params, SmemBudget budget) {
+  if (Sm80Fwd<kHeadDim, Element, kCausal>::kBudgetMatters && budget == SmemBudget::kSm86) {
+    fill_plan_traits<kHeadDim, Element, kCausal, SmemBudget::kSm86>(plan, params);
+  } else {
+    fill_plan_traits<kHeadDim, Element, kCausal, SmemBudget::kSm80>(plan, params);
+  }
 }
 
 // Calls fn.template operator()<HD, Element, Causal>() for the problem's instantiation.
@@ -94,7 +103,7 @@ bool visit_instantiation(int hd, DType dtype, bool causal, Fn&& fn) {
 
 }  // namespace
 
-CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int cc_minor) {
+CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int cc_minor, int max_smem_optin) {
   CudaPlan plan;
   if (cc_major < 8) {
     plan.why = "the GPU has compute capability " + std::to_string(cc_major) + "." + std::to_string(cc_minor) +
@@ -112,7 +121,7 @@ CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int c
     return plan;
   }
   visit_instantiation(hd, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
-    fill_plan<HD, Element, Causal>(plan, params);
+    fill_plan<HD, Element, Causal>(plan, params, smem_budget_for(max_smem_optin));
   });
   return plan;
 }
@@ -123,13 +132,14 @@ std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream) {
   cudaDeviceProp prop;
   cudaError_t err = cudaGetDeviceProperties(&prop, device);
   if (err != cudaSuccess) { return std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(err); }
-  CudaPlan const plan = plan_fwd_cuda(params, dtype, prop.major, prop.minor);
+  CudaPlan const plan = plan_fwd_cuda(params, dtype, prop.major, prop.minor, int(prop.sharedMemPerBlockOptin));
   if (!plan.ok) { return plan.why; }
   std::string result;
   visit_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
     // Only compiled instantiations are referenced, so a partial build links.
     if constexpr (head_dim_compiled(HD)) {
-      result = run_fwd_sm80<HD, Element, Causal>(params, static_cast<cudaStream_t>(stream));
+      result = run_fwd_sm80<HD, Element, Causal>(params, static_cast<cudaStream_t>(stream),
+                                                 smem_budget_for(int(prop.sharedMemPerBlockOptin)));
     }
   });
   if (result.find("no kernel image") != std::string::npos || result.find("invalid device function") != std::string::npos) {

@@ -16,24 +16,51 @@ namespace flash_ext {
 // Tile configuration of the GPU kernel, one constexpr function of (head dim, causal, arch).
 struct TileConfig {
   int block_m, block_n, num_warps;
+  constexpr bool operator==(TileConfig const&) const = default;
 };
 
+// The arch enters only through its shared memory per CTA: sm_80/sm_87 allow 163 KB and sm_90 227 KB,
+// sm_86/sm_89 99 KB.  (Everything else these kernels use is common to sm_80..sm_90.)
+enum class SmemBudget : int { kSm80 = 163 * 1024, kSm86 = 99 * 1024 };
+
+constexpr SmemBudget smem_budget_for(int max_smem_per_block_optin) {
+  return max_smem_per_block_optin >= int(SmemBudget::kSm80) ? SmemBudget::kSm80 : SmemBudget::kSm86;
+}
+
+constexpr int tile_smem_bytes(TileConfig t, int head_dim) { return (t.block_m + 2 * t.block_n) * head_dim * 2; }
+
 // Shared memory per CTA is (block_m + 2 * block_n) * head_dim * 2 bytes.  Reasoning per choice:
-//  - 4 warps own 16-row slabs each, so block_m = 64 or 128 gives each warp 1 or 2 MMA rows; with 128 rows a
-//    CTA does twice the work per K/V byte loaded from L2, which is what the sm_80/sm_90 memory system needs.
+//  - Warps own 16-row slabs, so block_m = 128 gives 4 warps 2 MMA rows each (B fragments reused twice);
+//    128 rows per CTA also halve the K/V bytes each query row costs in L2 traffic compared with 64.
 //  - The accumulators per thread are block_m * (block_n + head_dim) / (32 * num_warps) floats.  Keeping that
-//    at or under ~192 leaves room for operand fragments inside 255 registers without spilling; where it would
+//    at or under ~160 leaves room for operand fragments inside 255 registers without spilling; where it would
 //    exceed that (large head dims), 8 warps split the rows instead of shrinking the tiles.
-//  - At 1 CTA/SM (these kernels use up to 255 registers x 128 threads), occupancy comes from 4-8 resident
-//    warps whose MMA and cp.async overlap inside the CTA; smaller CTAs would not raise it under the register cap.
-constexpr TileConfig sm80_tile_config(int head_dim, bool /*causal*/) {
-  if (head_dim <= 32) { return {128, 128, 4}; }   // 24 KB + 16 KB smem; 128 + 32 accumulators
+//  - At 255 registers x 128 threads two CTAs fit an SM's 64K registers; with 8 warps one does.  Either way
+//    8 warps per SM overlap MMA, exp2 and cp.async; shared memory is not the limit below head dim 192.
+constexpr TileConfig sm80_tile_config(int head_dim, bool /*causal*/, SmemBudget /*budget*/ = SmemBudget::kSm80) {
+  if (head_dim <= 32) { return {128, 128, 4}; }   // 8 KB + 16 KB smem; 128 + 32 accumulators
   if (head_dim <= 64) { return {128, 64, 4}; }    // 16 KB + 16 KB; 64 + 64 accumulators
   if (head_dim <= 96) { return {128, 64, 4}; }    // 24 KB + 24 KB; 64 + 96 accumulators
-  if (head_dim <= 128) { return {128, 32, 4}; }   // 32 KB + 16 KB; 32 + 128 accumulators
+  // 4 warps (128 x 32) peaked at 255 registers and its runtime-flag variant spilled 6 bytes under nvcc 13.0;
+  // 8 warps halve the accumulators per thread (245 registers, no spill) for the same 8 warps per SM.
+  if (head_dim <= 128) { return {128, 64, 8}; }   // 32 KB + 32 KB; 32 + 64 accumulators
   if (head_dim <= 192) { return {128, 64, 8}; }   // 48 KB + 48 KB; 32 + 96 accumulators
-  return {128, 64, 8};                            // 64 KB + 64 KB; 32 + 128 accumulators
+  // 128 x 64 (8 warps) spilled 30 bytes in its runtime-flag variant and 64 x 64 (4 warps) 58 bytes; 32-key
+  // tiles halve S (16 accumulators) and fit 99 KB, so one config serves every sm_8x/sm_90 part.
+  return {128, 32, 8};                            // 64 KB + 32 KB; 16 + 128 accumulators
 }
+
+constexpr bool tile_configs_fit() {
+  for (int hd : {32, 64, 96, 128, 192, 256}) {
+    for (bool causal : {false, true}) {
+      for (SmemBudget b : {SmemBudget::kSm80, SmemBudget::kSm86}) {
+        if (tile_smem_bytes(sm80_tile_config(hd, causal, b), hd) > int(b)) { return false; }
+      }
+    }
+  }
+  return true;
+}
+static_assert(tile_configs_fit(), "every tile config fits the shared memory of the archs it is chosen for");
 
 // Head dims with a GPU instantiation, ascending; a problem with head dim d runs the smallest one >= d.
 inline constexpr int kGpuHeadDims[] = {32, 64, 96, 128, 192, 256};

@@ -23,7 +23,8 @@ struct CudaPlan {
   const char* variant_name = "";
   int grid_m = 0;
 };
-CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor);
+CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor,
+                       int max_smem_per_block_optin);
 // Launches on `stream` (a cudaStream_t).  Returns an empty string on success, else the reason.
 std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream);
 #endif

@@ -36,7 +36,9 @@ CUTE_HOST_DEVICE void gemm_ss(Acc& acc, FragA& tCrA, FragB& tCrB, SmemA const& t
   }
 }
 
-// acc += A . B^T with A already in registers (P in the P.V step) and B in shared memory.
+// acc += A . B^T with A already in registers (P in the P.V step) and B in shared memory.  The next k-slice
+// of B is prefetched into registers while the current one multiplies, unless one slice is large (head dim
+// >= 192: 48-64 registers per slice), where double-buffering it would push the kernel past 255 registers.
 template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB>
 CUTE_HOST_DEVICE void gemm_rs(Acc& acc, FragA const& tCrA, FragB& tCrB, SmemB const& tCsB,
                               TiledMma const& tiled_mma, CopyB const& smem_tiled_copy_B,
@@ -44,10 +46,16 @@ CUTE_HOST_DEVICE void gemm_rs(Acc& acc, FragA const& tCrA, FragB& tCrB, SmemB co
   using namespace cute;
   Tensor tCrB_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY,CPY_N,CPY_K)
   CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<1>(tCrB_view));
-  copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+  constexpr int kSliceBytes = decltype(size(tCrB(_, _, 0)))::value * int(sizeof(typename FragB::value_type));
+  constexpr bool kPrefetch = kSliceBytes <= 128;
+  if constexpr (kPrefetch) { copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_view(_, _, _0{})); }
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
-    if (k < size<2>(tCrA) - 1) { copy(smem_tiled_copy_B, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1)); }
+    if constexpr (kPrefetch) {
+      if (k < size<2>(tCrA) - 1) { copy(smem_tiled_copy_B, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1)); }
+    } else {
+      copy(smem_tiled_copy_B, tCsB(_, _, k), tCrB_view(_, _, k));
+    }
     cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
   }
 }

@@ -134,7 +134,10 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   ScoreMask<Flags> const mask{binfo, window, alibi_slope};
   OnlineSoftmax<Traits, kNRows> softmax;
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
-
+  // Right to left over [n_min, n_max): first the tiles some row sees only in part (sequence end, causal
+  // diagonal), then the fully visible ones, which skip the mask, then the left edge of a local window.  One
+  // loop with a CTA-uniform branch rather than three copies of the body: the copies cost registers (hd 256
+  // spilled) and compile time, and the static "even" variant has no mask code at all (any_mask is false).
   for (; n_block >= n_min; --n_block) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
     clear(acc_s);
@@ -160,8 +163,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     }
     if (flags.softcap) { apply_softcap(acc_s, params.softcap_prescale); }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
-    bool const need_mask =
-        any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
+    bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
 
     // V(n_block) has landed; every thread is done reading sK, so K(n_block - 1) may overwrite it and

@@ -13,10 +13,13 @@
 
 namespace flash_ext {
 
-template <int kHeadDim, class Element, bool kCausal>
+template <int kHeadDim, class Element, bool kCausal, SmemBudget kBudget = SmemBudget::kSm80>
 struct Sm80Fwd {
-  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kCausal);
+  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kCausal, kBudget);
   using Traits = Sm80Traits<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, Element>;
+  // A smaller shared-memory budget only adds kernels where it changes the tile.
+  static constexpr bool kBudgetMatters =
+      sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm86) != sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm80);
 };
 
 // One CTA per (m_block, batch, head): blockIdx.x = m_block so that CTAs of the same head, which share K/V,
@@ -53,12 +56,22 @@ std::string launch_variant(FwdParams const& params, cudaStream_t stream, int var
   }
 }
 
-// Explicitly instantiated once per (head dim, dtype, causal) in the generated files.
-template <int kHeadDim, class Element, bool kCausal>
-std::string run_fwd_sm80(FwdParams const& params, cudaStream_t stream) {
-  using Traits = typename Sm80Fwd<kHeadDim, Element, kCausal>::Traits;
+template <class Traits, bool kCausal>
+std::string run_traits(FwdParams const& params, cudaStream_t stream) {
   int const variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
   return launch_variant<Traits, kCausal>(params, stream, variant);
+}
+
+// Explicitly instantiated once per (head dim, dtype, causal) in the generated files.
+template <int kHeadDim, class Element, bool kCausal>
+std::string run_fwd_sm80(FwdParams const& params, cudaStream_t stream, SmemBudget budget) {
+  using Fwd = Sm80Fwd<kHeadDim, Element, kCausal>;
+  if constexpr (Fwd::kBudgetMatters) {
+    if (budget == SmemBudget::kSm86) {
+      return run_traits<typename Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm86>::Traits, kCausal>(params, stream);
+    }
+  }
+  return run_traits<typename Fwd::Traits, kCausal>(params, stream);
 }
 
 }  // namespace flash_ext

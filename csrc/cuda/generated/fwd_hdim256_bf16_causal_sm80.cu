@@ -2,5 +2,5 @@
 #include "flash_ext/launch_sm80.cuh"
 
 namespace flash_ext {
-template std::string run_fwd_sm80<256, cutlass::bfloat16_t, true>(FwdParams const&, cudaStream_t);
+template std::string run_fwd_sm80<256, cutlass::bfloat16_t, true>(FwdParams const&, cudaStream_t, SmemBudget);
 }  // namespace flash_ext

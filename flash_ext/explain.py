@@ -1,0 +1,106 @@
+"""``flash_ext.explain``: which specialisation a call would run, and why — or every reason it cannot run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Optional, Tuple
+
+import torch
+
+from . import _ops  # noqa: F401
+from .interface import _pad_head_dim
+
+__all__ = ["explain", "Explanation"]
+
+
+@dataclasses.dataclass
+class Explanation:
+    """The plan for one ``flash_attn_func`` call (see ``explain``).  ``ok`` is False when nothing can run;
+    ``reasons`` then lists every unmet requirement."""
+
+    ok: bool
+    reasons: list
+    plan: dict
+    hbm_bytes: int = 0
+    naive_hbm_bytes: int = 0
+
+    def __str__(self) -> str:
+        if not self.ok:
+            return "flash_ext: this call cannot run:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+        p = self.plan
+        flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in p["flags"].items())
+        lines = [
+            f"device      {p['device']}",
+            f"backend     {p['backend']}",
+            f"head dim    {p['head_dim']} -> tile {p['head_dim_tile']}"
+            + ("" if p["head_dim"] == p["head_dim_tile"] else " (padding predicated, even_k=no)"),
+            f"tile        {p['block_m']} x {p['block_n']} (query rows x keys), {p['threads_per_cta']} threads/CTA",
+            f"variant     {p['variant']}",
+            f"flags       {flags}",
+            f"window      {tuple(p['window'])} (after FA2 normalisation; -1 = unbounded)",
+            f"smem        {p['smem_bytes']} bytes per CTA",
+            f"grid        {tuple(p['grid'])} = (m_blocks, batch, heads)",
+            f"kv splits   {p['num_splits']}",
+            f"HBM bytes   ~{self.hbm_bytes / 2**20:.1f} MiB (naive attention materialising S and P: "
+            f"~{self.naive_hbm_bytes / 2**20:.1f} MiB, {self.naive_hbm_bytes / max(self.hbm_bytes, 1):.1f}x)",
+        ]
+        return "\n".join(lines)
+
+
+def _traffic(q: torch.Tensor, k: torch.Tensor, plan: dict) -> Tuple[int, int]:
+    """Estimated HBM bytes: flash reads Q once and K/V once per m-block (an upper bound: L2 absorbs some),
+    writes O and LSE; naive additionally writes and reads back S and P (b*h*sq*sk elements each)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    e = q.element_size()
+    qo = 2 * b * sq * h * d * e + b * h * sq * 4
+    kv = 2 * b * sk * hk * d * e
+    m_blocks = max(1, math.ceil(sq / max(plan.get("block_m", 1), 1)))
+    visible = 0.5 if plan.get("flags", {}).get("causal") else 1.0
+    flash = qo + int(kv * (h // max(hk, 1)) * max(1.0, m_blocks * visible))
+    naive = qo + kv + 4 * b * h * sq * sk * e
+    return flash, naive
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    verbose: bool = True,
+) -> Explanation:
+    """Describe what ``flash_attn_func`` would run for these arguments, without running it.
+
+    Reports the device path, the traits (tile M/N, threads), the flag values the kernel is specialised on
+    and the compiled variant chosen, shared memory, grid, number of KV splits, and estimated HBM traffic vs
+    naive attention.  If the call cannot run, ``ok`` is False and ``reasons`` lists every reason.  Prints
+    the explanation unless ``verbose=False``.  Set ``FLASH_EXT_LOG=1`` to log the plan of every call.
+    """
+    reasons = []
+    if dropout_p != 0.0:
+        reasons.append(f"dropout_p: got {dropout_p}; dropout is not implemented yet (must be 0.0)")
+    head_dim = q.shape[-1] if q.dim() >= 1 else 0
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
+    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
+    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.shape[-1] == head_dim and v.shape[-1] == head_dim:
+        q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
+    plan: dict[str, Any] = json.loads(torch.ops.flash_ext._plan_fwd(
+        q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+        alibi_slopes))
+    reasons += plan.get("reasons", [])
+    ok = plan.get("ok", False) and not reasons
+    flash, naive = _traffic(q, k, plan) if plan.get("ok") else (0, 0)
+    result = Explanation(ok=ok, reasons=reasons, plan=plan, hbm_bytes=flash, naive_hbm_bytes=naive)
+    if verbose:
+        print(result)
+    return result
