@@ -137,23 +137,26 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
   }
 }
 
-// Tensor layout into params; q/k/v/out are 4-D (fixed length) or 3-D (varlen: no batch stride).
-void set_layout(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out,
-                at::Tensor& lse) {
+// Tensor layouts into params; q/k/v/out are 4-D (fixed length) or 3-D (varlen: no batch stride).
+void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
   int const r = int(q.dim()) - 3;  // index of the row (sequence) dimension
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
   p.v_ptr = v.data_ptr();
-  p.o_ptr = out.data_ptr();
-  p.softmax_lse_ptr = lse.data_ptr<float>();
   p.q_batch_stride = r ? q.stride(0) : 0, p.q_row_stride = q.stride(r), p.q_head_stride = q.stride(r + 1);
   p.k_batch_stride = r ? k.stride(0) : 0, p.k_row_stride = k.stride(r), p.k_head_stride = k.stride(r + 1);
   p.v_batch_stride = r ? v.stride(0) : 0, p.v_row_stride = v.stride(r), p.v_head_stride = v.stride(r + 1);
-  p.o_batch_stride = r ? out.stride(0) : 0, p.o_row_stride = out.stride(r), p.o_head_stride = out.stride(r + 1);
   p.h = int(q.size(r + 1));
   p.d = int(q.size(r + 2));
   p.h_k = int(k.size(r + 1));
   p.h_h_k_ratio = p.h / p.h_k;
+}
+
+void set_outputs(FwdParams& p, at::Tensor& out, at::Tensor& lse) {
+  int const r = int(out.dim()) - 3;
+  p.o_ptr = out.data_ptr();
+  p.softmax_lse_ptr = lse.data_ptr<float>();
+  p.o_batch_stride = r ? out.stride(0) : 0, p.o_row_stride = out.stride(r), p.o_head_stride = out.stride(r + 1);
 }
 
 // Score domain, FA2 2.8 window semantics and ALiBi.  Needs p.seqlen_q/p.seqlen_k (maxima for varlen).
@@ -311,7 +314,8 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
   at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k), va = aligned_for_kernel(v);
   FwdParams p;
-  set_layout(p, qa, ka, va, out, lse);
+  set_inputs(p, qa, ka, va);
+  set_outputs(p, out, lse);
   p.b = int(b);
   p.seqlen_q = int(sq);
   p.seqlen_k = int(sk);
@@ -405,7 +409,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
   at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k), va = aligned_for_kernel(v);
   FwdParams p;
-  set_layout(p, qa, ka, va, out, lse);
+  set_inputs(p, qa, ka, va);
+  set_outputs(p, out, lse);
   p.b = int(b);
   p.seqlen_q = int(max_seqlen_q);
   p.seqlen_k = int(max_seqlen_k);
@@ -431,9 +436,8 @@ std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const&
     for (size_t i = 0; i < c.errors().size(); ++i) { out += (i ? ", \"" : "\"") + json_escape(c.errors()[i]) + "\""; }
     return out + "]}";
   }
-  at::Tensor out = at::empty({0}, q.options()), lse = at::empty({0}, q.options().dtype(at::kFloat));
   FwdParams p;
-  set_layout(p, q, k, v, out, lse);
+  set_inputs(p, q, k, v);
   p.b = int(q.size(0));
   p.seqlen_q = int(q.size(1));
   p.seqlen_k = int(k.size(1));

@@ -1,0 +1,57 @@
+"""flash_ext.explain: the plan of a call without running it, or every reason it cannot run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import flash_ext
+
+
+def test_explain_cpu_plan_fields() -> None:
+    q, k, v = (torch.randn(2, 300, 8, 59, dtype=torch.bfloat16) for _ in range(3))
+    e = flash_ext.explain(q, k, v, causal=True, verbose=False)
+    assert e.ok and not e.reasons
+    p = e.plan
+    assert p["backend"].startswith("host traits")
+    assert p["head_dim"] == 64 and p["head_dim_tile"] == 64  # 59 padded to 64 by the Python layer
+    assert p["grid"] == [3, 2, 8]  # ceil(300 / 128) m-blocks
+    assert p["flags"]["causal"] and not p["flags"]["even_mn"] and p["num_splits"] == 1
+    assert 0 < e.hbm_bytes < e.naive_hbm_bytes
+    text = str(e)
+    assert "tile" in text and "HBM" in text
+
+
+def test_explain_window_normalisation_is_reported() -> None:
+    q = torch.randn(1, 40, 2, 32)
+    k = torch.randn(1, 8, 2, 32)
+    # left >= sk - 1 bounds nothing; right = 10 < sq - 1 still hides keys from the first rows.
+    e = flash_ext.explain(q, k, k, window_size=(7, 10), verbose=False)
+    assert e.plan["window"] == [-1, 10] and e.plan["flags"]["local"]
+
+
+def test_explain_lists_every_reason() -> None:
+    q, k, v = (torch.randn(1, 10, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    e = flash_ext.explain(q.double(), k, v[..., :3], softcap=-1.0, dropout_p=0.1, verbose=False)
+    assert not e.ok
+    joined = "\n".join(e.reasons)
+    for needle in ("dropout_p", "q.dtype", "softcap", "v.shape"):
+        assert needle in joined, joined
+    assert "cannot run" in str(e)
+
+
+def test_explain_matches_the_call() -> None:
+    """explain() runs no kernel, and the call it describes then succeeds."""
+    q, k, v = (torch.randn(1, 128, 2, 64, dtype=torch.float16) for _ in range(3))
+    assert flash_ext.explain(q, k, v, verbose=False).ok
+    assert flash_ext.flash_attn_func(q, k, v).shape == q.shape
+
+
+def test_flash_ext_log_env_logs_each_call() -> None:
+    code = "import torch, flash_ext; q = torch.randn(1, 10, 2, 64); flash_ext.flash_attn_func(q, q, q)"
+    env = dict(os.environ, FLASH_EXT_LOG="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[flash_ext] flash_ext.fwd" in r.stderr and '"backend": "host traits (CPU)"' in r.stderr
