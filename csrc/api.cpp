@@ -1,6 +1,7 @@
 // The torch op layer: schema, argument checks, FA2 window normalisation, output allocation, and the
 // call into the CPU or CUDA backend through raw pointers (flash_ext/fwd_api.h).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/library.h>
 
@@ -33,6 +34,7 @@ namespace flash_ext {
 namespace {
 
 std::atomic<bool> g_poison_outputs{false};
+constexpr int64_t kMaxSplits = 128;
 
 // Collects every unmet requirement so the caller sees all of them in one error.
 class ArgChecker {
@@ -119,7 +121,9 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
 
 void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
                    int64_t window_left, int64_t window_right, double softcap,
-                   std::optional<at::Tensor> const& alibi_slopes) {
+                   std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  c.require(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
+            "must be 0 (heuristic), 1 (no split) or a split count up to " + std::to_string(kMaxSplits));
   c.require(window_left >= -1, "window_size[0]", std::to_string(window_left), "must be >= -1 (-1: unbounded)");
   c.require(window_right >= -1, "window_size[1]", std::to_string(window_right), "must be >= -1 (-1: unbounded)");
   c.require(softcap >= 0 && std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite and >= 0 (0: off)");
@@ -250,10 +254,10 @@ std::string plan_json(FwdParams const& p, at::Tensor const& q) {
      << ", \"head_dim\": " << p.d << ", \"head_dim_tile\": " << head_dim << ", \"block_m\": " << block_m
      << ", \"block_n\": " << block_n << ", \"threads_per_cta\": " << threads << ", \"smem_bytes\": " << smem
      << ", \"variant\": \"" << variant << "\", \"grid\": [" << grid_m << ", " << p.b << ", " << p.h << "]"
-     << ", \"num_splits\": 1, \"varlen\": " << b(p.cu_seqlens_q != nullptr)
+     << ", \"num_splits\": " << p.num_splits << ", \"varlen\": " << b(p.cu_seqlens_q != nullptr)
      << ", \"flags\": {\"even_mn\": " << b(f.even_mn) << ", \"even_k\": " << b(f.even_k) << ", \"causal\": "
      << b(p.is_causal) << ", \"local\": " << b(p.is_local) << ", \"alibi\": " << b(p.alibi_slopes_ptr != nullptr)
-     << ", \"softcap\": " << b(p.softcap > 0) << "}, \"window\": [" << p.window_left << ", " << p.window_right << "]}";
+     << ", \"softcap\": " << b(p.softcap > 0) << ", \"split\": " << b(p.num_splits > 1) << "}, \"window\": [" << p.window_left << ", " << p.window_right << "]}";
   return os.str();
 }
 
@@ -284,6 +288,56 @@ at::Tensor aligned_for_kernel(at::Tensor const& t) {
   return aligned16(c) ? c : c.clone();
 }
 
+// The tile sizes and processor count the split heuristic works with, for the device that will run.
+struct SplitContext {
+  int block_m = 0, block_n = 0, processors = 1;
+};
+
+SplitContext split_context(FwdParams const& p, at::Tensor const& q) {
+  SplitContext ctx;
+  if (q.device().is_cpu()) {
+    ctx.block_m = kHostBlockM, ctx.block_n = kHostBlockN, ctx.processors = at::get_num_threads();
+    return ctx;
+  }
+#if defined(FLASH_EXT_WITH_CUDA)
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, q.device().index()) == cudaSuccess) {
+    CudaPlan const plan =
+        plan_fwd_cuda(p, to_dtype(q.scalar_type()), prop.major, prop.minor, int(prop.sharedMemPerBlockOptin));
+    ctx.block_m = plan.block_m, ctx.block_n = plan.block_n, ctx.processors = prop.multiProcessorCount;
+  }
+#endif
+  return ctx;
+}
+
+// num_splits: 0 = heuristic (dispatch.h, num_splits_heuristic), 1 = off, > 1 = forced.  With more than one
+// split, allocates the fp32 accumulators for the partials (returned to keep them alive for the launch).
+std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q, int64_t requested, int64_t accum_rows,
+                                              bool allocate = true) {
+  p.num_splits = 1;
+  if (requested != 1) {
+    SplitContext const ctx = split_context(p, q);
+    if (requested > 1) {
+      p.num_splits = int(requested);
+    } else if (ctx.block_m > 0) {
+      int const ctas = p.b * p.h * ceil_div(p.seqlen_q, ctx.block_m);
+      p.num_splits = num_splits_heuristic(ctas, ctx.processors, ceil_div(p.seqlen_k, ctx.block_n), int(kMaxSplits));
+    }
+  }
+  if (p.num_splits == 1 || !allocate) { return {}; }
+  auto const opts = q.options().dtype(at::kFloat);
+  at::Tensor oaccum = at::empty({p.num_splits, p.h, accum_rows, p.d}, opts);
+  at::Tensor lseaccum = at::empty({p.num_splits, p.h, accum_rows}, opts);
+  if (g_poison_outputs.load(std::memory_order_relaxed)) {  // every partial must be written, empty splits too
+    oaccum.fill_(NAN);
+    lseaccum.fill_(NAN);
+  }
+  p.accum_rows = int(accum_rows);
+  p.oaccum_ptr = oaccum.data_ptr<float>();
+  p.lseaccum_ptr = lseaccum.data_ptr<float>();
+  return {oaccum, lseaccum};
+}
+
 void maybe_poison(at::Tensor& out, at::Tensor& lse) {
   if (g_poison_outputs.load(std::memory_order_relaxed)) {
     out.fill_(NAN);
@@ -294,11 +348,11 @@ void maybe_poison(at::Tensor& out, at::Tensor& lse) {
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                        double softmax_scale, bool causal, int64_t window_left,
                                        int64_t window_right, double softcap,
-                                       std::optional<at::Tensor> const& alibi_slopes) {
+                                       std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
   ArgChecker c("flash_ext.fwd");
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes);
+                window_right, softcap, alibi_slopes, num_splits);
   c.raise_if_any();
   int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3), sk = k.size(1);
   at::Tensor out = at::empty({b, sq, h, d}, q.options());
@@ -320,6 +374,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   p.seqlen_q = int(sq);
   p.seqlen_k = int(sk);
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
+  auto const accum = set_splits(p, qa, num_splits, b * sq);
   launch(p, q, "flash_ext.fwd");
   return {out, lse};
 }
@@ -351,7 +406,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
                                               std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k, double softmax_scale, bool causal,
                                               int64_t window_left, int64_t window_right, double softcap,
-                                              std::optional<at::Tensor> const& alibi_slopes) {
+                                              std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
   ArgChecker c("flash_ext.varlen_fwd");
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true);
   bool cu_ok = true;
@@ -377,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
   c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap,
-                alibi_slopes);
+                alibi_slopes, num_splits);
   static bool const trust = [] {
     char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
     return e != nullptr && std::string(e) == "1";
@@ -419,6 +474,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   p.cu_seqlens_k = cu_k.data_ptr<int>();
   p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
+  auto const accum = set_splits(p, qa, num_splits, total_q);
   launch(p, q, "flash_ext.varlen_fwd");
   return {out, lse};
 }
@@ -426,11 +482,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
 // explain(): the plan for a fwd call, or every reason it cannot run.  Runs no kernel.
 std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
                      int64_t window_left, int64_t window_right, double softcap,
-                     std::optional<at::Tensor> const& alibi_slopes) {
+                     std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
   ArgChecker c("flash_ext.fwd");
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes);
+                window_right, softcap, alibi_slopes, num_splits);
   if (!c.errors().empty()) {
     std::string out = "{\"ok\": false, \"reasons\": [";
     for (size_t i = 0; i < c.errors().size(); ++i) { out += (i ? ", \"" : "\"") + json_escape(c.errors()[i]) + "\""; }
@@ -442,6 +498,7 @@ std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const&
   p.seqlen_q = int(q.size(1));
   p.seqlen_k = int(k.size(1));
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
+  set_splits(p, q, num_splits, int64_t(p.b) * p.seqlen_q, /*allocate=*/false);
   return plan_json(p, q);
 }
 
@@ -474,17 +531,21 @@ std::string build_info() {
 TORCH_LIBRARY(flash_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse)");
+      "float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, Tensor? alibi_slopes) -> (Tensor out, Tensor softmax_lse)");
+      "float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
   m.def("_set_poison_outputs(bool enable) -> bool", &set_poison_outputs);
   m.def(
       "_plan_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, Tensor? alibi_slopes) -> str",
+      "float softcap, Tensor? alibi_slopes, int num_splits=0) -> str",
       &plan_fwd);
   m.def("_build_info() -> str", &build_info);
+  m.def("_num_splits_heuristic(int ctas, int processors, int n_blocks) -> int",
+        [](int64_t ctas, int64_t processors, int64_t n_blocks) -> int64_t {
+          return num_splits_heuristic(int(ctas), int(processors), int(n_blocks), int(kMaxSplits));
+        });
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {

@@ -15,7 +15,7 @@ def _check_same_device(op: str, tensors: dict) -> None:
 
 
 @torch.library.register_fake("flash_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, num_splits=0):
     _check_same_device("fwd", {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes})
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d))
@@ -25,7 +25,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 
 @torch.library.register_fake("flash_ext::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, window_left, window_right, softcap, alibi_slopes):
+                     causal, window_left, window_right, softcap, alibi_slopes, num_splits=0):
     _check_same_device("varlen_fwd", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                                       "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
                                       "alibi_slopes": alibi_slopes})

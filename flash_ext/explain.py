@@ -60,6 +60,9 @@ def _traffic(q: torch.Tensor, k: torch.Tensor, plan: dict) -> Tuple[int, int]:
     visible = 0.5 if plan.get("flags", {}).get("causal") else 1.0
     flash = qo + int(kv * (h // max(hk, 1)) * max(1.0, m_blocks * visible))
     naive = qo + kv + 4 * b * h * sq * sk * e
+    splits = plan.get("num_splits", 1)
+    if splits > 1:  # fp32 partial O and LSE written by each split and read back by the combine
+        flash += 2 * splits * b * h * sq * (d + 1) * 4
     return flash, naive
 
 
@@ -75,6 +78,7 @@ def explain(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 0,
     *,
     verbose: bool = True,
 ) -> Explanation:
@@ -96,7 +100,7 @@ def explain(
         q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
     plan: dict[str, Any] = json.loads(torch.ops.flash_ext._plan_fwd(
         q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
-        alibi_slopes))
+        alibi_slopes, int(num_splits)))
     reasons += plan.get("reasons", [])
     ok = plan.get("ok", False) and not reasons
     flash, naive = _traffic(q, k, plan) if plan.get("ok") else (0, 0)

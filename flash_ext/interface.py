@@ -43,6 +43,7 @@ def flash_attn_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]:
     """Exact softmax attention without materialising the (seqlen_q, seqlen_k) score matrix.
 
@@ -61,6 +62,10 @@ def flash_attn_func(
     * A query row that sees no key gets output 0 and log-sum-exp ``+inf``.
     * ``dropout_p`` must be 0 (dropout is not implemented yet); ``deterministic`` is accepted for
       compatibility: the forward pass is always deterministic.
+    * ``num_splits`` (an addition to flash_attn's signature): split-KV parallelism.  0 picks it with the
+      heuristic (splits only when the grid would leave processors idle: few batch x heads x query blocks,
+      long seqlen_k), 1 turns it off, n > 1 forces n splits (at most 128).  Results equal the unsplit ones
+      up to fp32 rounding of the combine.
 
     Returns ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs=True`` returns
     ``(out, softmax_lse, None)`` where ``softmax_lse`` is fp32 ``(batch, nheads, seqlen_q)`` (the attention
@@ -75,7 +80,7 @@ def flash_attn_func(
     if same_d:
         q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
     out, lse = torch.ops.flash_ext.fwd(q, k, v, float(softmax_scale), bool(causal), int(window_size[0]),
-                                       int(window_size[1]), float(softcap), alibi_slopes)
+                                       int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
@@ -136,6 +141,7 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
 ):
     """Attention over a batch of sequences of different lengths, packed without padding (flash_attn 2.8).
 
@@ -148,8 +154,8 @@ def flash_attn_varlen_func(
     ``(out, softmax_lse (nheads, total_q) fp32, None)``.
 
     The cu_seqlens values are validated (on CUDA this costs one device-to-host copy of them); set
-    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip that when they are known to be valid.  ``block_table`` (paged
-    KV) is not implemented yet.
+    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip that when they are known to be valid.  ``num_splits`` as in
+    ``flash_attn_func``.  ``block_table`` (paged KV) is not implemented yet.
     """
     _check_python_args(dropout_p, window_size)
     if block_table is not None:
@@ -162,7 +168,7 @@ def flash_attn_varlen_func(
         q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
     out, lse = torch.ops.flash_ext.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
-        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
+        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "flash_ext/combine.h"
 #include "flash_ext/dispatch.h"
 #include "flash_ext/fwd_api.h"
 #include "flash_ext/launch_sm80.cuh"
@@ -101,6 +102,31 @@ bool visit_instantiation(int hd, DType dtype, bool causal, Fn&& fn) {
   }
 }
 
+// Split-KV combine: one thread per (query row, 8 output columns); consecutive threads take consecutive
+// column groups of a row, so partial reads and output writes are coalesced.
+template <class Element>
+__global__ void combine_kernel(__grid_constant__ const FwdParams params) {
+  constexpr int kCols = 8;
+  int const groups = (params.d + kCols - 1) / kCols;
+  int64_t const t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int const row = int(t / groups);
+  int const group = int(t % groups);
+  int const bidb = int(blockIdx.y), bidh = int(blockIdx.z);
+  BlockInfo const binfo(params, bidb);
+  if (row >= binfo.seqlen_q) { return; }
+  combine_row<Element>(params, binfo, bidb, bidh, row, group * kCols, min((group + 1) * kCols, params.d));
+}
+
+template <class Element>
+std::string launch_combine(FwdParams const& params, cudaStream_t stream) {
+  int const groups = (params.d + 7) / 8;
+  int64_t const threads = int64_t(params.seqlen_q) * groups;
+  dim3 const grid(unsigned((threads + 127) / 128), params.b, params.h);
+  combine_kernel<Element><<<grid, 128, 0, stream>>>(params);
+  cudaError_t const err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("combine launch: ") + cudaGetErrorString(err);
+}
+
 }  // namespace
 
 CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int cc_minor, int max_smem_optin) {
@@ -142,6 +168,10 @@ std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream) {
                                                  smem_budget_for(int(prop.sharedMemPerBlockOptin)));
     }
   });
+  if (result.empty() && params.num_splits > 1) {
+    result = dtype == DType::kFloat16 ? launch_combine<cutlass::half_t>(params, static_cast<cudaStream_t>(stream))
+                                      : launch_combine<cutlass::bfloat16_t>(params, static_cast<cudaStream_t>(stream));
+  }
   if (result.find("no kernel image") != std::string::npos || result.find("invalid device function") != std::string::npos) {
     result += " (this build has no kernel for sm_" + std::to_string(prop.major * 10 + prop.minor) +
               "; rebuild with FLASH_EXT_CUDA_ARCHS including it)";

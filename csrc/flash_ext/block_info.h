@@ -39,6 +39,11 @@ struct BlockInfo {
                         : (index_t(bidb) * params.h + bidh) * params.seqlen_q;
   }
 
+  // Row of query `row` of this sequence in the split-KV accumulators (num_splits, h, accum_rows, ...).
+  CUTE_HOST_DEVICE index_t accum_row(FwdParams const& params, int bidb, int row) const {
+    return q_start >= 0 ? index_t(q_start) + row : index_t(bidb) * params.seqlen_q + row;
+  }
+
   // Bottom-right alignment: query row i sits on the diagonal at key column i + seqlen_k - seqlen_q.
   CUTE_HOST_DEVICE int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
 };
@@ -65,6 +70,16 @@ CUTE_HOST_DEVICE int n_block_max(BlockInfo const& binfo, Window<Flags> const& w,
     n_max = cute::min(n_max, end_col <= 0 ? 0 : ceil_div(end_col, kBlockN));
   }
   return n_max;
+}
+
+// The share of the K/V tiles that split n_split of num_splits handles: tiles [n_split * per, (n_split + 1) *
+// per) of the sequence, with per = ceil(tiles / num_splits).  Intersected with the visible range, it may be
+// empty (a split entirely past the causal diagonal): that split then reports LSE = -inf.
+template <int kBlockN>
+CUTE_HOST_DEVICE void restrict_to_split(BlockInfo const& binfo, int num_splits, int n_split, int& n_min, int& n_max) {
+  int const per_split = ceil_div(ceil_div(binfo.seqlen_k, kBlockN), num_splits);
+  n_min = cute::max(n_min, n_split * per_split);
+  n_max = cute::min(n_max, (n_split + 1) * per_split);
 }
 
 template <int kBlockM, int kBlockN, class Flags>

@@ -7,6 +7,7 @@
 #include <cute/config.hpp>
 #include <cute/numeric/integral_constant.hpp>
 
+#include "block_info.h"
 #include "flags.h"
 #include "params.h"
 
@@ -80,16 +81,19 @@ enum class FlagMode : unsigned char { kFalse, kTrue, kRuntime };
 
 struct Variant {
   const char* name;
-  FlagMode even_mn, even_k, local, alibi, softcap;
+  FlagMode even_mn, even_k, local, alibi, softcap, split;
 };
 
 inline constexpr Variant kVariants[] = {
     // Tile-multiple sequence lengths, head dim equal to the tile's, no extras: no predicate anywhere.
-    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse},
-    // Any sequence length and head dim, plain or causal attention: the usual inference/ragged case.
-    {"uneven", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse},
+    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse},
+    // Any sequence length and head dim, plain or causal attention, split-KV or not: the usual inference
+    // and decode case.  Splitting only changes the tile range and the epilogue, so it costs no kernel.
+    {"uneven", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
+     FlagMode::kRuntime},
     // Local windows, ALiBi and softcap as runtime branches.
-    {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime},
+    {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kRuntime},
 };
 inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
@@ -98,7 +102,7 @@ inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0])
 constexpr FlagMode local_mode(Variant v, bool causal) { return causal ? FlagMode::kFalse : v.local; }
 
 struct ProblemFlags {
-  bool even_mn, even_k, local, alibi, softcap;
+  bool even_mn, even_k, local, alibi, softcap, split;
 };
 
 // The runtime facts the flags stand for, for a tile of block_m x block_n and a head-dim tile.  Varlen
@@ -106,7 +110,7 @@ struct ProblemFlags {
 CUTE_HOST_DEVICE constexpr ProblemFlags problem_flags(FwdParams const& p, int block_m, int block_n, int head_dim) {
   bool const varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
   return {!varlen && p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0, p.d == head_dim, p.is_local,
-          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f};
+          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f, p.num_splits > 1};
 }
 
 constexpr bool admits(FlagMode mode, bool value) {
@@ -115,7 +119,7 @@ constexpr bool admits(FlagMode mode, bool value) {
 
 constexpr bool variant_admits(Variant v, bool causal, ProblemFlags p) {
   return admits(v.even_mn, p.even_mn) && admits(v.even_k, p.even_k) && admits(local_mode(v, causal), p.local) &&
-         admits(v.alibi, p.alibi) && admits(v.softcap, p.softcap);
+         admits(v.alibi, p.alibi) && admits(v.softcap, p.softcap) && admits(v.split, p.split);
 }
 
 // The first (most specialised) variant that admits the problem; -1 if none does.
@@ -126,10 +130,11 @@ constexpr int select_variant(bool causal, ProblemFlags p) {
   return -1;
 }
 
-static_assert(select_variant(false, {true, true, false, false, false}) == 0);
-static_assert(select_variant(true, {false, true, false, false, false}) == 1);
-static_assert(select_variant(false, {true, true, true, true, true}) == 2);
-static_assert(select_variant(true, {true, true, true, false, false}) == -1, "causal files have no local branch");
+static_assert(select_variant(false, {true, true, false, false, false, false}) == 0);
+static_assert(select_variant(true, {false, true, false, false, false, false}) == 1);
+static_assert(select_variant(true, {true, true, false, false, false, true}) == 1, "split-KV runs the uneven kernel");
+static_assert(select_variant(false, {true, true, true, true, true, true}) == 2);
+static_assert(select_variant(true, {true, true, true, false, false, false}) == -1, "causal files have no local branch");
 
 template <FlagMode M>
 using FlagType = std::conditional_t<M == FlagMode::kRuntime, bool, cute::C<M == FlagMode::kTrue>>;
@@ -137,6 +142,42 @@ using FlagType = std::conditional_t<M == FlagMode::kRuntime, bool, cute::C<M == 
 template <int kVariant, bool kCausal>
 using VariantFlags = KernelFlags<FlagType<kVariants[kVariant].even_mn>, FlagType<kVariants[kVariant].even_k>,
                                  cute::C<kCausal>, FlagType<local_mode(kVariants[kVariant], kCausal)>,
-                                 FlagType<kVariants[kVariant].alibi>, FlagType<kVariants[kVariant].softcap>>;
+                                 FlagType<kVariants[kVariant].alibi>, FlagType<kVariants[kVariant].softcap>,
+                                 FlagType<kVariants[kVariant].split>>;
+
+// ---------------------------------------------------------------------------------------------------
+// Split-KV heuristic.  One CTA per (m_block, batch, head) leaves processors idle when there are fewer such
+// CTAs than processors (decode: one m_block, few heads).  Splitting the K/V tiles of each among s CTAs
+// multiplies the parallelism by s, at the cost of writing and re-reading s fp32 partial outputs and a
+// combine pass.  Wave efficiency of s splits is w / ceil(w) with w = ctas * s / processors (the last wave's
+// idle share).  The rule: no split when the grid already fills 80% of a wave; otherwise the smallest s
+// whose efficiency is within 85% of the best one, among s that leave every split at least
+// min_blocks_per_split K/V tiles (so the partials' traffic stays small next to the K/V bytes each reads)
+// and that give distinct tile counts per split (ceil(n_blocks / s) must drop when s grows).
+constexpr int num_splits_heuristic(int ctas, int processors, int n_blocks, int max_splits = 128,
+                                   int min_blocks_per_split = 2) {
+  if (ctas <= 0 || processors <= 0 || n_blocks <= 0) { return 1; }
+  if (ctas * 10 >= processors * 8) { return 1; }
+  int const limit = cute::min(cute::min(max_splits, processors), n_blocks / min_blocks_per_split);
+  if (limit < 2) { return 1; }
+  auto efficiency = [&](int s) {
+    float const waves = float(ctas * s) / float(processors);
+    float const full = float(int(waves) + (waves > float(int(waves)) ? 1 : 0));
+    return waves / full;
+  };
+  auto eligible = [&](int s) { return s == 1 || ceil_div(n_blocks, s) != ceil_div(n_blocks, s - 1); };
+  float best = 0.f;
+  for (int s = 1; s <= limit; ++s) {
+    if (eligible(s)) { best = cute::max(best, efficiency(s)); }
+  }
+  for (int s = 1; s <= limit; ++s) {
+    if (eligible(s) && efficiency(s) >= 0.85f * best) { return s; }
+  }
+  return 1;
+}
+
+static_assert(num_splits_heuristic(132 * 4, 132, 1000) == 1, "a full grid is not split");
+static_assert(num_splits_heuristic(8, 132, 2) == 1, "too few K/V tiles to split");
+static_assert(num_splits_heuristic(1, 132, 1000) > 1, "a lone CTA with a long K/V is split");
 
 }  // namespace flash_ext

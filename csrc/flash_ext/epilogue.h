@@ -13,13 +13,46 @@
 
 namespace flash_ext {
 
+// Split-KV partial: the fp32 accumulator rows, normalised by this split's own sum, and the split's LSE go
+// straight from registers to the accumulators (num_splits, h, accum_rows, d); combine.h merges them.  No
+// shared memory is touched, so no barrier is needed.
+template <class Traits, class AccO, class Lse>
+CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& binfo, AccO const& acc_o,
+                                    Lse const& lse, int tidx, int bidb, int bidh, int m_block, int n_split) {
+  using namespace cute;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor acc_o_rc = acc_rowcol<Traits::kAccValCols>(acc_o);                                 // (ROWS,COLS)
+  Tensor taccOcO = acc_rowcol<Traits::kAccValCols>(
+      thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));    // (ROWS,COLS) -> (m,k)
+  index_t const split_base = (index_t(n_split) * params.h + bidh) * params.accum_rows;
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(acc_o_rc); ++i) {
+    int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
+    if (row >= binfo.seqlen_q) { continue; }
+    index_t const r = split_base + binfo.accum_row(params, bidb, row);
+    if (get<1>(taccOcO(i, 0)) == 0) { params.lseaccum_ptr[r] = lse(i); }
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(acc_o_rc); ++j) {
+      int const col = get<1>(taccOcO(i, j));
+      if (col < params.d) { params.oaccum_ptr[r * params.d + col] = acc_o_rc(i, j); }
+    }
+  }
+}
+
 // acc_o: (MMA, MMA_M, MMA_K) normalised accumulator; lse: one value per row of its (row, col) view.
 // Precondition: no thread still reads the shared-memory bytes of the Q tile (sO aliases them).
 template <class Traits, class Flags, class AccO, class Lse>
 CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& binfo, Flags const& flags,
                                    AccO const& acc_o, Lse const& lse, char* smem, int tidx, int bidb,
-                                   int bidh, int m_block) {
+                                   int bidh, int m_block, int n_split = 0) {
   using namespace cute;
+  if (flags.split) {
+    write_partial<Traits>(params, binfo, acc_o, lse, tidx, bidb, bidh, m_block, n_split);
+    return;
+  }
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;

@@ -11,7 +11,7 @@
 
 namespace flash_ext {
 
-template <class EvenMN, class EvenK, class Causal, class Local, class Alibi, class Softcap>
+template <class EvenMN, class EvenK, class Causal, class Local, class Alibi, class Softcap, class Split>
 struct KernelFlags {
   EvenMN even_mn;   // seqlen_q % kBlockM == 0 and seqlen_k % kBlockN == 0: no row predicates on Q/K/V/O
   EvenK even_k;     // d == kHeadDim: no column predicates, no zero-filled head-dim padding
@@ -19,9 +19,10 @@ struct KernelFlags {
   Local local;      // a finite sliding window (window_left and/or window_right >= 0), not plain causal
   Alibi alibi;      // ALiBi bias
   Softcap softcap;  // score = softcap * tanh(score / softcap)
+  Split split;      // split-KV: this CTA handles a share of the K/V tiles and writes fp32 partials
 };
 
-using DynamicFlags = KernelFlags<bool, bool, bool, bool, bool, bool>;
+using DynamicFlags = KernelFlags<bool, bool, bool, bool, bool, bool, bool>;
 
 // A flag value as the body sees it: the static constant when the flag is static, else the runtime value.
 template <class Flag>

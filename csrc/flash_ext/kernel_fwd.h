@@ -33,12 +33,13 @@ CUTE_HOST_DEVICE Flags flags_from_params(FwdParams const& p) {
   f.local = make_flag<decltype(f.local)>(pf.local);
   f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
   f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
+  f.split = make_flag<decltype(f.split)>(pf.split);
   return f;
 }
 
 template <class Traits, class Flags>
 CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags const& flags, int bidb, int bidh,
-                                             int m_block, int tidx, char* smem) {
+                                             int m_block, int tidx, char* smem, int n_split = 0) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -48,8 +49,10 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   BlockInfo const binfo(params, bidb);
   if (m_block * kBlockM >= binfo.seqlen_q) { return; }
   Window<Flags> const window(params, flags);
-  int const n_min = n_block_min<kBlockM, kBlockN>(binfo, window, m_block);
-  int const n_max = n_block_max<kBlockM, kBlockN>(binfo, window, m_block);
+  int n_min = n_block_min<kBlockM, kBlockN>(binfo, window, m_block);
+  int n_max = n_block_max<kBlockM, kBlockN>(binfo, window, m_block);
+  if (flags.split) { restrict_to_split<kBlockN>(binfo, params.num_splits, n_split, n_min, n_max); }
+  float const empty_lse = flags.split ? -INFINITY : INFINITY;
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
@@ -58,12 +61,12 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   constexpr int kNRows = decltype(size<0>(acc_o_rc))::value;
   clear(acc_o);
 
-  // No key is visible to any row of this tile (causal with seqlen_q > seqlen_k, narrow windows):
-  // O = 0 and LSE = +inf, without touching K or V.
+  // No key is visible to any row of this tile (causal with seqlen_q > seqlen_k, narrow windows, a split
+  // past the diagonal): O = 0 and LSE = +inf (a split partial: -inf), without touching K or V.
   if (n_max <= n_min) {
     Tensor lse = make_tensor<float>(Shape<Int<kNRows>>{});
-    fill(lse, INFINITY);
-    write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block);
+    fill(lse, empty_lse);
+    write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
     return;
   }
 
@@ -183,9 +186,9 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
   }
 
-  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale);
+  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse);
   // The last read of sQ (the final Q.K^T) happened before the loop's second barrier: sO may reuse it.
-  write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block);
+  write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
 }
 
 }  // namespace flash_ext

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "block_info.h"
+#include "combine.h"
 #include "kernel_fwd.h"
 #include "params.h"
 #include "traits_host.h"
@@ -33,19 +34,36 @@ constexpr int host_head_dim_for(int d) {
 template <class Traits, class ParallelFor>
 void run_fwd_host_traits(FwdParams const& params, ParallelFor&& parallel_for) {
   int const num_m_blocks = ceil_div(params.seqlen_q, Traits::kBlockM);
-  int64_t const total = int64_t(num_m_blocks) * params.b * params.h;
+  int const num_splits = params.num_splits;
+  int64_t const total = int64_t(num_m_blocks) * num_splits * params.b * params.h;
   DynamicFlags const flags = flags_from_params<Traits, DynamicFlags>(params);
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
     // The "shared memory" of one CTA; m_block varies fastest so neighbouring work items reuse K/V in cache.
     alignas(128) char smem[Traits::kSmemBytes];
     for (int64_t i = begin; i < end; ++i) {
       int const m_block = int(i % num_m_blocks);
-      int64_t const bh = i / num_m_blocks;
-      int const bidh = int(bh % params.h);
-      int const bidb = int(bh / params.h);
-      compute_attn_1rowblock<Traits>(params, flags, bidb, bidh, m_block, /*tidx=*/0, smem);
+      int64_t rest = i / num_m_blocks;
+      int const n_split = int(rest % num_splits);
+      rest /= num_splits;
+      int const bidh = int(rest % params.h);
+      int const bidb = int(rest / params.h);
+      compute_attn_1rowblock<Traits>(params, flags, bidb, bidh, m_block, /*tidx=*/0, smem, n_split);
     }
   });
+  if (num_splits > 1) {  // the "combine kernel": one work item per (batch, head, query row)
+    int64_t const rows = int64_t(params.b) * params.h * params.seqlen_q;
+    parallel_for(int64_t(0), rows, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        int const row = int(i % params.seqlen_q);
+        int const bidh = int((i / params.seqlen_q) % params.h);
+        int const bidb = int(i / (int64_t(params.seqlen_q) * params.h));
+        BlockInfo const binfo(params, bidb);
+        if (row < binfo.seqlen_q) {
+          combine_row<typename Traits::Element>(params, binfo, bidb, bidh, row, 0, params.d);
+        }
+      }
+    });
+  }
 }
 
 template <class Element, class ParallelFor>

@@ -22,13 +22,15 @@ struct Sm80Fwd {
       sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm86) != sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm80);
 };
 
-// One CTA per (m_block, batch, head): blockIdx.x = m_block so that CTAs of the same head, which share K/V,
-// are scheduled together and hit in L2.
+// One CTA per (m_block, batch, head, split): blockIdx.x = m_block so that CTAs of the same head, which
+// share K/V, are scheduled together and hit in L2; blockIdx.z = split * h + head.
 template <class Traits, class Flags>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(__grid_constant__ const FwdParams params) {
   extern __shared__ __align__(128) char smem[];
-  compute_attn_1rowblock<Traits>(params, flags_from_params<Traits, Flags>(params), int(blockIdx.y),
-                                 int(blockIdx.z), int(blockIdx.x), int(threadIdx.x), smem);
+  int const bidh = int(blockIdx.z) % params.h;
+  int const n_split = int(blockIdx.z) / params.h;
+  compute_attn_1rowblock<Traits>(params, flags_from_params<Traits, Flags>(params), int(blockIdx.y), bidh,
+                                 int(blockIdx.x), int(threadIdx.x), smem, n_split);
 }
 
 template <class Traits, class Flags>
@@ -40,7 +42,7 @@ std::string launch_fwd(FwdParams const& params, cudaStream_t stream) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) { return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err); }
   }
-  dim3 const grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.b, params.h);
+  dim3 const grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.b, params.h * params.num_splits);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string("kernel launch: ") + cudaGetErrorString(err);

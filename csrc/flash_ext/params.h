@@ -53,6 +53,16 @@ struct FwdParams {
   bool is_causal = false;
   bool is_local = false;  // a finite window other than plain causal
 
+  // Split-KV (FlashDecoding): the visible K/V tiles of each (m_block, batch, head) are divided among
+  // num_splits CTAs.  Each writes its rows' partial output, normalised by its own sum, in fp32 to
+  // oaccum (num_splits, h, accum_rows, d) and the partial log-sum-exp (-inf for a split that saw no key) to
+  // lseaccum (num_splits, h, accum_rows); combine.h merges them into o / softmax_lse.  accum_rows is
+  // b * seqlen_q, or total_q for varlen.
+  int num_splits = 1;
+  int accum_rows = 0;
+  float* __restrict__ oaccum_ptr = nullptr;
+  float* __restrict__ lseaccum_ptr = nullptr;
+
   // ALiBi: score += -slope * |i + seqlen_k - seqlen_q - j|, slopes fp32 (h) or (b, h).
   float const* __restrict__ alibi_slopes_ptr = nullptr;
   index_t alibi_slopes_batch_stride = 0;

@@ -64,9 +64,10 @@ struct OnlineSoftmax {
   }
 
   // Normalises acc_o (rows, cols) in place and returns the rows' log-sum-exp in the true score domain.
-  // A row with no visible key (sum 0) gets O = 0 and LSE = +inf, FA2's convention.
+  // A row with no visible key (sum 0) gets O = 0 and LSE = empty_lse: +inf for a final result (FA2's
+  // convention), -inf for a split-KV partial (it then weighs nothing in the combine).
   template <class AccO>
-  CUTE_HOST_DEVICE TensorT finalize(AccO& acc_o, float score_scale) {
+  CUTE_HOST_DEVICE TensorT finalize(AccO& acc_o, float score_scale, float empty_lse = INFINITY) {
     using namespace cute;
     TensorT lse = make_tensor<float>(Shape<Int<kNRows>>{});
     CUTE_UNROLL
@@ -74,7 +75,7 @@ struct OnlineSoftmax {
       float const sum = Traits::row_allreduce(row_sum(i), SumOp{});
       bool const empty = sum == 0.f || sum != sum;
       float const inv = empty ? 0.f : 1.f / sum;
-      lse(i) = empty ? INFINITY : row_max(i) * score_scale + logf(sum);
+      lse(i) = empty ? empty_lse : row_max(i) * score_scale + logf(sum);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(acc_o); ++j) { acc_o(i, j) *= inv; }
     }

@@ -16,6 +16,7 @@ struct Case {
   int wl, wr;  // window; -1 unbounded
   float softcap;
   bool alibi;
+  int num_splits = 1;  // split-KV: partials plus the combine
 };
 
 template <class T>
@@ -47,6 +48,15 @@ bool run_case(Case const& c, const char* dtype) {
   p.is_causal = c.causal;
   p.is_local = !c.causal && (c.wl >= 0 || c.wr >= 0);
   p.alibi_slopes_ptr = c.alibi ? slopes.data() : nullptr;
+  std::vector<float> oaccum, lseaccum;
+  if (c.num_splits > 1) {
+    p.num_splits = c.num_splits;
+    p.accum_rows = c.b * c.sq;
+    oaccum.assign(size_t(c.num_splits) * c.h * p.accum_rows * c.d, NAN);  // poisoned: every partial is written
+    lseaccum.assign(size_t(c.num_splits) * c.h * p.accum_rows, NAN);
+    p.oaccum_ptr = oaccum.data();
+    p.lseaccum_ptr = lseaccum.data();
+  }
   run_fwd_host<T>(p, [](int64_t b0, int64_t e0, auto&& f) { f(b0, e0); });
 
   double max_err = 0, max_lse_err = 0;
@@ -92,9 +102,9 @@ bool run_case(Case const& c, const char* dtype) {
   // Output rounding of the dtype plus fp32 accumulation; P stays fp32 on the host.
   double const tol = sizeof(T) == 4 ? 1e-5 : (std::is_same_v<T, cutlass::half_t> ? 2e-3 : 1.6e-2);
   bool const ok = !nan_found && !inf_mismatch && max_err <= tol && max_lse_err <= 1e-4;
-  std::printf("%s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d: |o|err %.2e lse err %.2e%s\n",
+  std::printf("%s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d splits%d: |o|err %.2e lse err %.2e%s\n",
               ok ? "ok  " : "FAIL", dtype, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.wl, c.wr, c.softcap, c.alibi,
-              max_err, max_lse_err, inf_mismatch ? " (+inf LSE pattern wrong)" : "");
+              c.num_splits, max_err, max_lse_err, inf_mismatch ? " (+inf LSE pattern wrong)" : "");
   return ok;
 }
 
@@ -108,6 +118,9 @@ int main() {
       {2, 65, 190, 2, 2, 128, false, -1, -1, 30.f, true},   // softcap + ALiBi
       {1, 1, 239, 2, 2, 256, false, -1, -1, 0.f, true},     // decode-like row, largest head dim
       {1, 129, 64, 2, 2, 192, true, -1, -1, 0.f, true},     // causal + ALiBi
+      {1, 3, 1000, 4, 1, 128, false, -1, -1, 0.f, false, 5},  // split-KV decode, MQA
+      {1, 300, 100, 2, 2, 64, true, -1, -1, 0.f, false, 3},   // split-KV with empty rows and empty splits
+      {2, 70, 700, 2, 2, 64, false, 40, 0, 0.f, true, 8},     // split-KV, local window: most splits empty
   };
   int failures = 0;
   for (auto const& c : cases) failures += !run_case<cutlass::bfloat16_t>(c, "bf16");

@@ -1,0 +1,48 @@
+// Split-KV combine: merges the num_splits partial results of one query row.  Each split s holds O_s,
+// normalised by its own softmax sum, and LSE_s = log of that sum (in the true score domain, max included).
+// The exact result is LSE = log sum_s exp(LSE_s) and O = sum_s exp(LSE_s - LSE) O_s; the maximum LSE_s is
+// subtracted before exponentiating so nothing overflows.  Splits that saw no key have LSE_s = -inf and
+// weigh exactly 0; a row no split saw gets O = 0 and LSE = +inf, never NaN.
+#pragma once
+
+#include <cmath>
+
+#include <cute/config.hpp>
+
+#include "block_info.h"
+#include "params.h"
+
+namespace flash_ext {
+
+// Columns [col_begin, col_end) of query `row` of sequence bidb, head bidh; the caller with col_begin == 0
+// also writes the row's LSE.
+template <class Element>
+CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, int bidb, int bidh, int row,
+                                  int col_begin, int col_end) {
+  index_t const r = binfo.accum_row(p, bidb, row);
+  index_t const split_stride = index_t(p.h) * p.accum_rows;
+  float const* lse_s = p.lseaccum_ptr + index_t(bidh) * p.accum_rows + r;
+  float max_lse = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) { max_lse = fmaxf(max_lse, lse_s[s * split_stride]); }
+  Element* o = static_cast<Element*>(p.o_ptr) + binfo.q_offset(p.o_batch_stride, p.o_row_stride, bidb) +
+               index_t(row) * p.o_row_stride + index_t(bidh) * p.o_head_stride;
+  if (max_lse == -INFINITY) {
+    for (int c = col_begin; c < col_end; ++c) { o[c] = Element(0.f); }
+    if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = INFINITY; }
+    return;
+  }
+  float sum = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) { sum += expf(lse_s[s * split_stride] - max_lse); }
+  float const lse = max_lse + logf(sum);
+  if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = lse; }
+  float const* o_s = p.oaccum_ptr + (index_t(bidh) * p.accum_rows + r) * p.d;
+  for (int c = col_begin; c < col_end; ++c) {
+    float acc = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      acc += expf(lse_s[s * split_stride] - lse) * o_s[s * split_stride * p.d + c];
+    }
+    o[c] = Element(acc);
+  }
+}
+
+}  // namespace flash_ext
