@@ -30,24 +30,23 @@ constexpr SmemBudget smem_budget_for(int max_smem_per_block_optin) {
 
 constexpr int tile_smem_bytes(TileConfig t, int head_dim) { return (t.block_m + 2 * t.block_n) * head_dim * 2; }
 
-// Shared memory per CTA is (block_m + 2 * block_n) * head_dim * 2 bytes.  Reasoning per choice:
-//  - Warps own 16-row slabs, so block_m = 128 gives 4 warps 2 MMA rows each (B fragments reused twice);
-//    128 rows per CTA also halve the K/V bytes each query row costs in L2 traffic compared with 64.
-//  - The accumulators per thread are block_m * (block_n + head_dim) / (32 * num_warps) floats.  Keeping that
-//    at or under ~160 leaves room for operand fragments inside 255 registers without spilling; where it would
-//    exceed that (large head dims), 8 warps split the rows instead of shrinking the tiles.
-//  - At 255 registers x 128 threads two CTAs fit an SM's 64K registers; with 8 warps one does.  Either way
-//    8 warps per SM overlap MMA, exp2 and cp.async; shared memory is not the limit below head dim 192.
+// Shared memory per CTA is (block_m + 2 * block_n) * head_dim * 2 bytes.  Reasoning:
+//  - 128 query rows per CTA: each K/V tile loaded into shared memory serves 128 rows, which halves the
+//    K/V bytes per query row (L2 -> SM traffic) compared with 64.
+//  - 8 warps own 16-row slabs.  The accumulators per thread are block_m * (block_n + head_dim) / 256
+//    floats.  With 4 warps (twice that) every head dim reached 255 registers once the runtime-flag variant
+//    carries ALiBi, softcap, local windows and split-KV, and nvcc 13.0 spilled (hd 64: 78 bytes, hd 128: 6,
+//    hd 256: 30); with 8 warps the worst kernel uses ~210 registers and none spills (docs/kernels.md).
+//  - At <= 255 registers x 256 threads one CTA fits an SM's 64K registers: 8 warps per SM overlap MMA,
+//    exp2 and cp.async.  block_n trades the S accumulators (and smem) against barriers per K/V byte.
 constexpr TileConfig sm80_tile_config(int head_dim, bool /*causal*/, SmemBudget /*budget*/ = SmemBudget::kSm80) {
-  if (head_dim <= 32) { return {128, 128, 4}; }   // 8 KB + 16 KB smem; 128 + 32 accumulators
-  if (head_dim <= 64) { return {128, 64, 4}; }    // 16 KB + 16 KB; 64 + 64 accumulators
-  if (head_dim <= 96) { return {128, 64, 4}; }    // 24 KB + 24 KB; 64 + 96 accumulators
-  // 4 warps (128 x 32) peaked at 255 registers and its runtime-flag variant spilled 6 bytes under nvcc 13.0;
-  // 8 warps halve the accumulators per thread (245 registers, no spill) for the same 8 warps per SM.
+  if (head_dim <= 32) { return {128, 128, 8}; }   // 8 KB + 16 KB smem; 64 + 16 accumulators
+  if (head_dim <= 64) { return {128, 64, 8}; }    // 16 KB + 16 KB; 32 + 32 accumulators
+  if (head_dim <= 96) { return {128, 64, 8}; }    // 24 KB + 24 KB; 32 + 48 accumulators
   if (head_dim <= 128) { return {128, 64, 8}; }   // 32 KB + 32 KB; 32 + 64 accumulators
   if (head_dim <= 192) { return {128, 64, 8}; }   // 48 KB + 48 KB; 32 + 96 accumulators
-  // 128 x 64 (8 warps) spilled 30 bytes in its runtime-flag variant and 64 x 64 (4 warps) 58 bytes; 32-key
-  // tiles halve S (16 accumulators) and fit 99 KB, so one config serves every sm_8x/sm_90 part.
+  // 128 x 64 spilled 30 bytes in its runtime-flag variant; 32-key tiles halve S and fit 99 KB, so one
+  // config serves every sm_8x/sm_90 part.
   return {128, 32, 8};                            // 64 KB + 32 KB; 16 + 128 accumulators
 }
 
