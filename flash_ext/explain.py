@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import _ops  # noqa: F401
-from .interface import _pad_head_dim
+from .interface import _prepare_qkv
 
 __all__ = ["explain", "Explanation"]
 
@@ -92,14 +92,9 @@ def explain(
     reasons = []
     if dropout_p != 0.0:
         reasons.append(f"dropout_p: got {dropout_p}; dropout is not implemented yet (must be 0.0)")
-    head_dim = q.shape[-1] if q.dim() >= 1 else 0
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
-    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
-    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.shape[-1] == head_dim and v.shape[-1] == head_dim:
-        q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
+    q, k, v, softmax_scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
     plan: dict[str, Any] = json.loads(torch.ops.flash_ext._plan_fwd(
-        q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+        q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
         alibi_slopes, int(num_splits)))
     reasons += plan.get("reasons", [])
     ok = plan.get("ok", False) and not reasons

@@ -24,11 +24,18 @@ def _check_python_args(dropout_p: float, window_size) -> None:
                          "-1 = unbounded")
 
 
-def _pad_head_dim(t: torch.Tensor, pad_to: int) -> torch.Tensor:
-    """Zero-pads the head dim to a multiple of 8 (the kernels' vector width); the op aligns CUDA inputs."""
-    if t.dim() >= 1 and t.shape[-1] != pad_to:
-        t = F.pad(t, [0, pad_to - t.shape[-1]])
-    return t
+def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], rank: int):
+    """Default scale from the caller's head dim, then zero-padding of the head dim to a multiple of 8 (the
+    kernels' vector width; zeros change no dot product).  Inputs the op will reject pass through untouched so
+    its error names what the caller gave.  Returns ``(q, k, v, softmax_scale, head_dim)``."""
+    head_dim = q.shape[-1] if q.dim() >= 1 else 0
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
+    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
+    if (padded != head_dim and q.dim() == rank and k.dim() == rank and v.dim() == rank
+            and k.shape[-1] == head_dim and v.shape[-1] == head_dim):
+        q, k, v = (F.pad(t, [0, padded - head_dim]) for t in (q, k, v))
+    return q, k, v, float(softmax_scale), head_dim
 
 
 def flash_attn_func(
@@ -72,14 +79,8 @@ def flash_attn_func(
     probabilities themselves are never formed; the third element is reserved for dropout).
     """
     _check_python_args(dropout_p, window_size)
-    head_dim = q.shape[-1] if q.dim() >= 1 else 0
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
-    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
-    same_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.shape[-1] == head_dim and v.shape[-1] == head_dim
-    if same_d:
-        q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
-    out, lse = torch.ops.flash_ext.fwd(q, k, v, float(softmax_scale), bool(causal), int(window_size[0]),
+    q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=4)
+    out, lse = torch.ops.flash_ext.fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
                                        int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
@@ -96,12 +97,13 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 0,
 ):
     """``flash_attn_func`` on packed ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)`` (no copy)."""
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"flash_ext: qkv: got shape {tuple(qkv.shape)}; must be (batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, num_splits)
 
 
 def flash_attn_kvpacked_func(
@@ -115,12 +117,13 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 0,
 ):
     """``flash_attn_func`` with packed ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)`` (no copy)."""
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"flash_ext: kv: got shape {tuple(kv.shape)}; must be (batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, num_splits)
 
 
 def flash_attn_varlen_func(
@@ -160,14 +163,9 @@ def flash_attn_varlen_func(
     _check_python_args(dropout_p, window_size)
     if block_table is not None:
         raise NotImplementedError("flash_ext: block_table (paged KV) is not implemented yet")
-    head_dim = q.shape[-1] if q.dim() >= 1 else 0
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
-    padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
-    if q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == head_dim and v.shape[-1] == head_dim:
-        q, k, v = (_pad_head_dim(t, padded) for t in (q, k, v))
+    q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3)
     out, lse = torch.ops.flash_ext.varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
@@ -186,13 +184,14 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 0,
 ):
     """``flash_attn_varlen_func`` on packed ``qkv`` of shape ``(total, 3, nheads, headdim)`` (no copy)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"flash_ext: qkv: got shape {tuple(qkv.shape)}; must be (total, 3, nheads, headdim)")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, num_splits=num_splits)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -210,10 +209,11 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 0,
 ):
     """``flash_attn_varlen_func`` with packed ``kv`` of shape ``(total_k, 2, nheads_k, headdim)`` (no copy)."""
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"flash_ext: kv: got shape {tuple(kv.shape)}; must be (total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, num_splits=num_splits)
