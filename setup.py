@@ -81,7 +81,10 @@ def build_extension():
 
     include_dirs = include_dirs_or_exit()
     cpu_arch = os.environ.get("FLASH_EXT_CPU_ARCH", "native")
-    cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-Wno-unused-variable", "-Wno-unused-but-set-variable"]
+    # -fopenmp: at::parallel_for is a header template whose OpenMP pragma only takes effect in a TU compiled
+    # with OpenMP; without it the CPU backend silently runs on one thread (measured: 0.24x -> see perf.md).
+    cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-Wno-unused-variable", "-Wno-unused-but-set-variable",
+           "-fopenmp"]
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
     sources = [ROOT / "csrc" / "api.cpp"] + sorted((ROOT / "csrc" / "host").glob("*.cpp"))
@@ -92,7 +95,7 @@ def build_extension():
               f"(torch CUDA: {torch.version.cuda}, CUDA_HOME: {cuda_home}, forced: {force_cpu})")
         return cpp_extension.CppExtension(
             "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx}, py_limited_api=False)
+            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"], py_limited_api=False)
 
     head_dims = selected_head_dims()
     archs = cuda_archs()
@@ -112,7 +115,8 @@ def build_extension():
     print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims}, MAX_JOBS {os.environ['MAX_JOBS']}")
     return cpp_extension.CUDAExtension(
         "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros}, py_limited_api=False)
+        extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros}, extra_link_args=["-fopenmp"],
+        py_limited_api=False)
 
 
 setup(

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build/compile-all}
 rm -rf "$BUILD" && mkdir -p "$BUILD"
+export FLASH_EXT_COMMIT=$(git rev-parse --short HEAD)
 git archive HEAD | tar -x -C "$BUILD"
 cd "$BUILD"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

@@ -47,7 +47,7 @@ def demangle(names: list[str]) -> list[str]:
         return names
 
 
-FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap")
+FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split")
 
 
 def describe(demangled: str) -> dict | None:
@@ -98,7 +98,8 @@ def main() -> int:
     if not rows:
         print("kernel_report: no flash_fwd_kernel found (was the extension built with CUDA?)", file=sys.stderr)
         return 1
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("FLASH_EXT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     head = ("| arch | head dim | dtype | tile (M x N, warps) | flags | registers | smem (bytes) | "
             "stack+local (bytes) | est. CTAs/SM |\n|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
