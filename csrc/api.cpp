@@ -84,7 +84,8 @@ bool aligned16(at::Tensor const& t) {
 
 // Shapes: fixed-length q (b, sq, h, d), k/v (b, sk, hk, d); varlen q (total_q, h, d), k/v (total_k, hk, d).
 // Returns false if the ranks are wrong (later shape checks would be meaningless).
-bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen) {
+bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen,
+               bool kv_cache = false) {
   int64_t const rank = varlen ? 3 : 4;
   std::string const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
   std::string const kv_rule = varlen ? "must be (total_k, heads_k, head_dim)" : "must be (batch, seqlen_k, heads_k, head_dim)";
@@ -110,7 +111,7 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
   c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   c.require(k.sizes() == v.sizes(), "v.shape", str(v.sizes()), "must equal k.shape " + str(k.sizes()));
-  if (!varlen) {
+  if (!varlen && !kv_cache) {
     c.require(k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
   }
   c.require(k.size(-1) == d, "k.shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
@@ -345,6 +346,30 @@ void maybe_poison(at::Tensor& out, at::Tensor& lse) {
   }
 }
 
+// Decode with grouped heads: one query row per sequence and g = h / h_k query heads per K/V head.  Viewing
+// the g query heads of a group as g query rows of one head (flash_attn's "seqlenq_ngroups_swapped") fills
+// the M tile with g real rows instead of 1 and reads each K/V tile once per group instead of g times.
+// Exact without ALiBi (slopes differ per query head) and without a left window (the rows would get
+// different diagonals); a one-row causal mask shows every key anyway.
+bool swap_query_groups(at::Tensor const& q, at::Tensor const& k, int64_t window_left, int64_t seqlen_k,
+                       std::optional<at::Tensor> const& alibi_slopes) {
+  return q.dim() == 4 && q.size(1) == 1 && q.size(2) > k.size(2) && !alibi_slopes.has_value() &&
+         (window_left < 0 || window_left >= seqlen_k - 1);
+}
+
+// (b, 1, h, d) -> (b, g, h_k, d): query head kh * g + i becomes row i of head kh.
+at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k) {
+  int64_t const b = q.size(0), h = q.size(2), d = q.size(3);
+  return q.reshape({b, h_k, h / h_k, d}).transpose(1, 2);
+}
+
+// The inverse for the results: out (b, g, h_k, d) -> (b, 1, h, d), lse (b, h_k, g) -> (b, h, 1).
+std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Tensor> const& r) {
+  auto const& [out, lse] = r;
+  int64_t const b = out.size(0), g = out.size(1), hk = out.size(2), d = out.size(3);
+  return {out.transpose(1, 2).reshape({b, 1, hk * g, d}), lse.reshape({b, hk * g, 1})};
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                        double softmax_scale, bool causal, int64_t window_left,
                                        int64_t window_right, double softcap,
@@ -354,6 +379,10 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
                 window_right, softcap, alibi_slopes, num_splits);
   c.raise_if_any();
+  if (swap_query_groups(q, k, window_left, k.size(1), alibi_slopes)) {
+    return rows_as_groups(fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, /*causal=*/false, -1, -1, softcap,
+                              alibi_slopes, num_splits));
+  }
   int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3), sk = k.size(1);
   at::Tensor out = at::empty({b, sq, h, d}, q.options());
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
@@ -479,6 +508,125 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   return {out, lse};
 }
 
+// Attention of q against a KV cache whose new entries (if any) the Python layer has already appended and
+// rotated: batch entry b sees keys [leftpad_k[b], leftpad_k[b] + seqlens_k[b]) of cache batch
+// kv_batch_idx[b] (or of its pages in block_table).  Index values are checked like cu_seqlens (on CUDA one
+// device-to-host copy, skipped with FLASH_EXT_TRUST_CU_SEQLENS=1): never an out-of-bounds read.
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
+                                               at::Tensor const& seqlens_k, std::optional<at::Tensor> const& kv_batch_idx,
+                                               std::optional<at::Tensor> const& leftpad_k,
+                                               std::optional<at::Tensor> const& block_table, double softmax_scale,
+                                               bool causal, int64_t window_left, int64_t window_right, double softcap,
+                                               std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  ArgChecker c("flash_ext.kvcache_fwd");
+  bool const shapes_ok = check_qkv(c, q, k_cache, v_cache, /*varlen=*/false, /*kv_cache=*/true);
+  int64_t const b = shapes_ok ? q.size(0) : -1;
+  check_options(c, q, b, shapes_ok ? q.size(2) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                num_splits);
+  auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
+    if (!t.has_value()) { return true; }
+    bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == q.device() &&
+                    (b < 0 || t->size(0) == b);
+    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+              "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(b) +
+                  ") rows on q's device");
+    return ok;
+  };
+  bool idx_ok = index_ok(seqlens_k, "seqlens_k", 1) && index_ok(kv_batch_idx, "cache_batch_idx", 1) &&
+                index_ok(leftpad_k, "cache_leftpad", 1) && index_ok(block_table, "block_table", 2);
+  bool const paged = block_table.has_value();
+  int64_t page_size = 0, capacity = 0;
+  if (shapes_ok) {
+    page_size = paged ? k_cache.size(1) : 0;
+    capacity = paged ? (block_table->dim() == 2 ? block_table->size(1) * page_size : 0) : k_cache.size(1);
+    if (paged) {
+      c.require(page_size % 128 == 0 && page_size > 0, "k_cache.shape[1] (page size)", std::to_string(page_size),
+                "must be a positive multiple of 128 with block_table");
+      c.require(!leftpad_k.has_value(), "cache_leftpad", "given with block_table",
+                "left padding and paged KV cannot be combined");
+      c.require(!kv_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
+                "paged KV selects pages through block_table; cache_batch_idx must be None");
+    }
+  }
+  static bool const trust = [] {
+    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  if (shapes_ok && idx_ok && (q.device().is_cpu() || !trust)) {
+    at::Tensor len = seqlens_k.to(at::kCPU).contiguous();
+    at::Tensor pad = leftpad_k.has_value() ? leftpad_k->to(at::kCPU).contiguous() : at::zeros({b}, len.options());
+    int64_t bad_len = -1;
+    for (int64_t i = 0; i < b && bad_len < 0; ++i) {
+      int const l = len.data_ptr<int>()[i], lp = pad.data_ptr<int>()[i];
+      if (l < 0 || lp < 0 || int64_t(l) + lp > capacity) { bad_len = i; }
+    }
+    c.require(bad_len < 0, "cache_seqlens/cache_leftpad", "batch entry " + std::to_string(bad_len),
+              "need 0 <= cache_leftpad <= cache_seqlens and cache_seqlens (+ new keys) <= cache capacity " +
+                  std::to_string(capacity));
+    if (kv_batch_idx.has_value()) {
+      at::Tensor idx = kv_batch_idx->to(at::kCPU).contiguous();
+      int64_t bad = -1;
+      for (int64_t i = 0; i < b && bad < 0; ++i) {
+        int const x = idx.data_ptr<int>()[i];
+        if (x < 0 || x >= k_cache.size(0)) { bad = i; }
+      }
+      c.require(bad < 0, "cache_batch_idx", "value at index " + std::to_string(bad),
+                "must index k_cache's batch dimension [0, " + std::to_string(k_cache.size(0)) + ")");
+    }
+    if (paged) {
+      at::Tensor table = block_table->to(at::kCPU).contiguous();
+      int64_t bad = -1;
+      for (int64_t i = 0; i < b && bad < 0; ++i) {
+        int64_t const used_pages = (int64_t(len.data_ptr<int>()[i]) + page_size - 1) / page_size;
+        for (int64_t j = 0; j < used_pages; ++j) {
+          int const page = table.data_ptr<int>()[i * table.size(1) + j];
+          if (page < 0 || page >= k_cache.size(0)) { bad = i; }
+        }
+      }
+      c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
+                "pages in use must index k_cache's pages [0, " + std::to_string(k_cache.size(0)) + ")");
+    }
+  }
+  c.raise_if_any();
+  if (swap_query_groups(q, k_cache, window_left, capacity, alibi_slopes)) {
+    return rows_as_groups(kvcache_fwd(groups_as_rows(q, k_cache.size(2)), k_cache, v_cache, seqlens_k, kv_batch_idx,
+                                      leftpad_k, block_table, softmax_scale, /*causal=*/false, -1, -1, softcap,
+                                      alibi_slopes, num_splits));
+  }
+
+  int64_t const sq = q.size(1), h = q.size(2), d = q.size(3);
+  at::Tensor out = at::empty({b, sq, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) { return {out, lse}; }
+  maybe_poison(out, lse);
+  std::optional<at::Tensor> alibi;
+  if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
+  at::Tensor const len = seqlens_k.contiguous();
+  std::optional<at::Tensor> idx, pad, table;
+  if (kv_batch_idx.has_value()) { idx = kv_batch_idx->contiguous(); }
+  if (leftpad_k.has_value()) { pad = leftpad_k->contiguous(); }
+  if (block_table.has_value()) { table = block_table->contiguous(); }
+  at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k_cache), va = aligned_for_kernel(v_cache);
+  FwdParams p;
+  set_inputs(p, qa, ka, va);
+  set_outputs(p, out, lse);
+  p.b = int(b);
+  p.seqlen_q = int(sq);
+  p.seqlen_k = int(std::max<int64_t>(capacity, 1));  // an upper bound: per-batch key counts are in seqused_k
+  p.seqused_k = len.data_ptr<int>();
+  p.kv_batch_idx = idx.has_value() ? idx->data_ptr<int>() : nullptr;
+  p.leftpad_k = pad.has_value() ? pad->data_ptr<int>() : nullptr;
+  if (table.has_value()) {
+    p.block_table = table->data_ptr<int>();
+    p.block_table_batch_stride = table->stride(0);
+    p.page_size = int(page_size);
+  }
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
+  auto const accum = set_splits(p, qa, num_splits, b * sq);
+  launch(p, q, "flash_ext.kvcache_fwd");
+  return {out, lse};
+}
+
 // explain(): the plan for a fwd call, or every reason it cannot run.  Runs no kernel.
 std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
                      int64_t window_left, int64_t window_right, double softcap,
@@ -487,6 +635,9 @@ std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const&
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
                 window_right, softcap, alibi_slopes, num_splits);
+  if (c.errors().empty() && swap_query_groups(q, k, window_left, k.size(1), alibi_slopes)) {
+    return plan_fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, false, -1, -1, softcap, alibi_slopes, num_splits);
+  }
   if (!c.errors().empty()) {
     std::string out = "{\"ok\": false, \"reasons\": [";
     for (size_t i = 0; i < c.errors().size(); ++i) { out += (i ? ", \"" : "\"") + json_escape(c.errors()[i]) + "\""; }
@@ -536,6 +687,10 @@ TORCH_LIBRARY(flash_ext, m) {
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
+      "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, int window_left, "
+      "int window_right, float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
   m.def("_set_poison_outputs(bool enable) -> bool", &set_poison_outputs);
   m.def(
       "_plan_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
@@ -551,12 +706,14 @@ TORCH_LIBRARY(flash_ext, m) {
 TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {
   m.impl("fwd", &fwd);
   m.impl("varlen_fwd", &varlen_fwd);
+  m.impl("kvcache_fwd", &kvcache_fwd);
 }
 
 #if defined(FLASH_EXT_WITH_CUDA)
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("varlen_fwd", &varlen_fwd);
+  m.impl("kvcache_fwd", &kvcache_fwd);
 }
 #endif
 

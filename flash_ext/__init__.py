@@ -11,6 +11,7 @@ import torch
 
 from . import _ops  # noqa: F401
 from .explain import Explanation, explain
+from .kvcache import flash_attn_with_kvcache
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "build_info", "explain",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info", "explain",
     "Explanation",
 ]
 

@@ -33,6 +33,16 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
     return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
 
 
+@torch.library.register_fake("flash_ext::kvcache_fwd")
+def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                      causal, window_left, window_right, softcap, alibi_slopes, num_splits=0):
+    _check_same_device("kvcache_fwd", {"q": q, "k_cache": k_cache, "v_cache": v_cache, "seqlens_k": seqlens_k,
+                                       "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+                                       "block_table": block_table, "alibi_slopes": alibi_slopes})
+    b, sq, h, d = q.shape
+    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
 def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
@@ -45,3 +55,4 @@ def _fwd_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 torch.library.register_autograd("flash_ext::varlen_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("flash_ext::kvcache_fwd", _fwd_backward, setup_context=_fwd_setup_context)

@@ -34,8 +34,10 @@ step tests 180 $PY -m pytest -q -x -m "cuda" tests
 step memcheck 120 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 $PY scripts/sanitizer_cases.py
 step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitizer_cases.py --quick
 step bench 150 $PY -m flash_ext.bench --device cuda --json "$OUT/bench.json"
+step decode 90 $PY -m flash_ext.bench decode --device cuda --json "$OUT/decode.json"
 
 echo
 echo "== summary ($(cat "$OUT/commit.txt"), $(head -2 "$OUT/gpu.txt" | tail -1))"
-for s in build kernels tests memcheck racecheck bench; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
+for s in build kernels tests memcheck racecheck bench decode; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
 grep -E "TFLOP|ratio|FAIL" "$OUT/bench.log" | tail -n 30 || true
+tail -n 9 "$OUT/decode.log" || true

@@ -17,10 +17,12 @@ struct BlockInfo {
   int seqlen_k;
   int q_start;  // first row of this sequence in q/o (varlen), else -1
   int k_start;  // first row of this sequence in k/v (varlen), else -1
+  int k_row0;   // first key row within the batch entry (KV cache left padding), else 0
 
   CUTE_HOST_DEVICE BlockInfo(FwdParams const& params, int bidb)
       : q_start(params.cu_seqlens_q ? params.cu_seqlens_q[bidb] : -1),
-        k_start(params.cu_seqlens_k ? params.cu_seqlens_k[bidb] : -1) {
+        k_start(params.cu_seqlens_k ? params.cu_seqlens_k[bidb] : -1),
+        k_row0(params.leftpad_k ? params.leftpad_k[bidb] : 0) {
     seqlen_q = params.cu_seqlens_q ? params.cu_seqlens_q[bidb + 1] - q_start : params.seqlen_q;
     seqlen_k = params.cu_seqlens_k ? params.cu_seqlens_k[bidb + 1] - k_start : params.seqlen_k;
     if (params.seqused_k) { seqlen_k = params.seqused_k[bidb]; }
@@ -30,8 +32,18 @@ struct BlockInfo {
   CUTE_HOST_DEVICE index_t q_offset(index_t batch_stride, index_t row_stride, int bidb) const {
     return q_start >= 0 ? index_t(q_start) * row_stride : index_t(bidb) * batch_stride;
   }
-  CUTE_HOST_DEVICE index_t k_offset(index_t batch_stride, index_t row_stride, int bidb) const {
-    return k_start >= 0 ? index_t(k_start) * row_stride : index_t(bidb) * batch_stride;
+  // Element offset of K/V tile n_block (its first key) of this batch entry, without the head offset: the one
+  // place that knows about varlen offsets, cache batch indices, left padding and pages.
+  CUTE_HOST_DEVICE index_t kv_tile_offset(FwdParams const& params, int bidb, int n_block, int block_n,
+                                          index_t batch_stride, index_t row_stride) const {
+    int const row = k_row0 + n_block * block_n;
+    if (params.block_table != nullptr) {
+      int const page = params.block_table[bidb * params.block_table_batch_stride + row / params.page_size];
+      return index_t(page) * batch_stride + index_t(row % params.page_size) * row_stride;
+    }
+    index_t const base = k_start >= 0 ? index_t(k_start) * row_stride
+                                      : index_t(params.kv_batch_idx ? params.kv_batch_idx[bidb] : bidb) * batch_stride;
+    return base + index_t(row) * row_stride;
   }
   // LSE is (b, h, seqlen_q) for fixed-length batches and (h, total_q) for varlen.
   CUTE_HOST_DEVICE index_t lse_offset(FwdParams const& params, int bidb, int bidh) const {

@@ -74,15 +74,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb)),
                           make_shape(binfo.seqlen_q, params.h, params.d),
                           make_stride(params.q_row_stride, params.q_head_stride, _1{}));   // (SEQ_Q,H,D)
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k_ptr) + binfo.k_offset(params.k_batch_stride, params.k_row_stride, bidb)),
-                          make_shape(binfo.seqlen_k, params.h_k, params.d),
-                          make_stride(params.k_row_stride, params.k_head_stride, _1{}));   // (SEQ_K,H_K,D)
-  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v_ptr) + binfo.k_offset(params.v_batch_stride, params.v_row_stride, bidb)),
-                          make_shape(binfo.seqlen_k, params.h_k, params.d),
-                          make_stride(params.v_row_stride, params.v_head_stride, _1{}));   // (SEQ_K,H_K,D)
   Tensor gQ = local_tile(mQ(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));   // (BLK_M,HEAD_DIM)
-  Tensor gK = local_tile(mK(_, bidh_kv, _), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));      // (BLK_N,HEAD_DIM,n)
-  Tensor gV = local_tile(mV(_, bidh_kv, _), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));      // (BLK_N,HEAD_DIM,n)
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (BLK_M,HEAD_DIM)
   Tensor sK = make_tensor(sQ.data() + cosize(typename Traits::SmemLayoutQ{}), typename Traits::SmemLayoutKV{});  // (BLK_N,HEAD_DIM)
@@ -95,10 +87,19 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
   Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);                                          // (CPY,CPY_M,CPY_K)
   Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);                                          // (CPY,CPY_M,CPY_K)
-  Tensor tKgK = gmem_thr_copy_QKV.partition_S(gK);                                          // (CPY,CPY_N,CPY_K,n)
   Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);                                          // (CPY,CPY_N,CPY_K)
-  Tensor tVgV = gmem_thr_copy_QKV.partition_S(gV);                                          // (CPY,CPY_N,CPY_K,n)
   Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);                                          // (CPY,CPY_N,CPY_K)
+  // K/V tile n as this thread's copy partition.  Each tile is addressed from its own base (block_info.h),
+  // so contiguous, varlen, batch-indexed and paged caches share one code path.
+  auto kv_tile = [&](void const* base, index_t batch_stride, index_t row_stride, index_t head_stride, int n) {
+    Element const* ptr = static_cast<Element const*>(base) + head_stride * bidh_kv +
+                         binfo.kv_tile_offset(params, bidb, n, kBlockN, batch_stride, row_stride);
+    Tensor gKV = make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                                             make_stride(row_stride, _1{})));  // (BLK_N,HEAD_DIM)
+    return gmem_thr_copy_QKV.partition_S(gKV);                                                // (CPY,CPY_N,CPY_K)
+  };
+  auto tKgK = [&](int n) { return kv_tile(params.k_ptr, params.k_batch_stride, params.k_row_stride, params.k_head_stride, n); };
+  auto tVgV = [&](int n) { return kv_tile(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride, n); };
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));          // (CPY,CPY_M,CPY_K) -> (m,k)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));        // (CPY,CPY_N,CPY_K) -> (n,k)
 
@@ -126,7 +127,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
 
   // Prologue: Q and the right-most K tile in one cp.async group.
   copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, rows_left, params.d, flags.even_mn, flags.even_k);
-  copy_tile(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block), tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+  copy_tile(gmem_tiled_copy_QKV, tKgK(n_block), tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
             params.d, flags.even_mn, flags.even_k);
   Traits::cp_async_fence();
 
@@ -151,7 +152,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::barrier();
 
     // V(n_block) streams in while S = Q.K^T runs.  Rows past seqlen_k are zero-filled (see copy_tile).
-    copy_tile(gmem_tiled_copy_QKV, tVgV(_, _, _, n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+    copy_tile(gmem_tiled_copy_QKV, tVgV(n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
               params.d, flags.even_mn, flags.even_k);
     Traits::cp_async_fence();
 
@@ -174,7 +175,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::template cp_async_wait<0>();
     Traits::barrier();
     if (n_block > n_min) {
-      copy_tile(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV,
+      copy_tile(gmem_tiled_copy_QKV, tKgK(n_block - 1), tKsK, tKVcKV,
                 binfo.seqlen_k - (n_block - 1) * kBlockN, params.d, flags.even_mn, flags.even_k);
       Traits::cp_async_fence();
     }

@@ -34,6 +34,16 @@ struct FwdParams {
   int const* __restrict__ seqused_k = nullptr;
   int total_q = 0;
 
+  // KV cache (flash_attn_with_kvcache): batch entry b reads K/V batch kv_batch_idx[b] of the cache, starting
+  // at row leftpad_k[b]; seqused_k[b] is then its number of keys.  Paged caches: k/v are (num_pages,
+  // page_size, h_k, d), and row j of batch b lives in page block_table[b * block_table_batch_stride +
+  // j / page_size] (page_size is a multiple of every kBlockN, so a K/V tile never straddles pages).
+  int const* __restrict__ kv_batch_idx = nullptr;
+  int const* __restrict__ leftpad_k = nullptr;
+  int const* __restrict__ block_table = nullptr;
+  index_t block_table_batch_stride = 0;
+  int page_size = 0;
+
   int b = 0, h = 0, h_k = 0;
   int h_h_k_ratio = 1;  // h / h_k: query heads sharing one K/V head (MQA/GQA)
   int seqlen_q = 0, seqlen_k = 0;

@@ -1,0 +1,144 @@
+"""``flash_attn_with_kvcache`` (flash_attn 2.8 semantics): append new keys/values to a KV cache in place,
+rotary embeddings at absolute positions, batch-indexed, left-padded or paged caches, and attention of q
+against the cache through ``torch.ops.flash_ext.kvcache_fwd`` (split-KV for decode shapes)."""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .interface import _check_python_args, _prepare_qkv
+
+__all__ = ["flash_attn_with_kvcache", "apply_rotary"]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """Rotates the first ``2 * cos.shape[1]`` channels of ``x`` (b, s, h, d) by the angles at ``positions``
+    (b, s).  ``interleaved``: GPT-J pairs (0, 1), (2, 3), ...; else GPT-NeoX halves (i, i + rotary_dim / 2).
+    Computed in fp32, returned in x's dtype."""
+    rd = 2 * cos.shape[1]
+    c = cos[positions].unsqueeze(2).float()   # (b, s, 1, rd / 2)
+    s = sin[positions].unsqueeze(2).float()
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _trust_indices(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("FLASH_EXT_TRUST_CU_SEQLENS") == "1"
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of ``q`` (b, seqlen_q, nheads, d) against a KV cache, flash_attn 2.8 semantics.
+
+    * ``k_cache``/``v_cache``: (batch_cache, seqlen_cache, nheads_k, d), or with ``block_table`` (int32,
+      (b, max_pages)) a paged cache (num_pages, page_size, nheads_k, d) with page_size a multiple of 128.
+    * ``cache_seqlens`` (int or int32 (b,)): current cache lengths (absolute row index of the first free
+      slot); default: the whole cache.  ``cache_batch_idx`` (int32 (b,)): cache batch of each q batch entry.
+      ``cache_leftpad`` (int32 (b,)): the cache of entry i starts at row ``cache_leftpad[i]``.
+    * ``k``/``v`` (b, seqlen_new, nheads_k, d): appended **in place** at rows ``cache_seqlens[i] ...`` before
+      attention.  With ``rotary_cos``/``rotary_sin`` ((seqlen_ro, rotary_dim / 2)), k is rotated at those
+      absolute positions, and q at ``cache_seqlens[i] + j`` when causal or local, else at
+      ``cache_seqlens[i]`` for every query row (``rotary_interleaved``: GPT-J style, else GPT-NeoX).
+    * Keys visible to entry i: rows ``[cache_leftpad[i], cache_seqlens[i] + seqlen_new)``; causal/local
+      masks are bottom-right aligned to them.  Other arguments as in ``flash_attn_func``.
+
+    Index arguments are validated before anything is written (on CUDA: one device-to-host copy; set
+    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip it), so a bad length or page index is a ValueError, never an
+    out-of-bounds access.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
+    """
+    _check_python_args(0.0, window_size)
+    if (k is None) != (v is None):
+        raise ValueError("flash_ext: k and v must be given together (or neither)")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("flash_ext: rotary_cos and rotary_sin must be given together (or neither)")
+    if q.dim() != 4 or k_cache.dim() != 4:
+        raise ValueError(f"flash_ext: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} must both be 4-D")
+    b, sq = q.shape[0], q.shape[1]
+    dev = q.device
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged and block_table.dim() == 2 else k_cache.shape[1]
+    if cache_seqlens is None:
+        seqlens = torch.full((b,), capacity if k is None else 0, dtype=torch.int32, device=dev)
+    elif isinstance(cache_seqlens, int):
+        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+    else:
+        seqlens = cache_seqlens
+        if seqlens.dtype != torch.int32 or seqlens.dim() != 1 or seqlens.shape[0] != b:
+            raise ValueError(f"flash_ext: cache_seqlens: got {seqlens.dtype} {tuple(seqlens.shape)}; must be an int "
+                             f"or an int32 tensor of shape ({b},)")
+    leftpad = cache_leftpad if cache_leftpad is not None else torch.zeros(b, dtype=torch.int32, device=dev)
+    seqlen_new = 0 if k is None else k.shape[1]
+
+    if k is not None:
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"flash_ext: k/v: got {tuple(k.shape)}/{tuple(v.shape)}; must be (batch={b}, seqlen_new, "
+                             f"nheads_k={k_cache.shape[2]}, d={k_cache.shape[3]})")
+        if not _trust_indices(seqlens):
+            ends = seqlens.long() + seqlen_new
+            if bool((seqlens < 0).any()) or bool((ends > capacity).any()):
+                raise ValueError(f"flash_ext: cache_seqlens: appending {seqlen_new} rows must stay within the cache "
+                                 f"capacity {capacity}; got cache_seqlens {seqlens.tolist()}")
+            if rotary_cos is not None and bool((ends > rotary_cos.shape[0]).any()):
+                raise ValueError(f"flash_ext: rotary_cos/rotary_sin: {rotary_cos.shape[0]} positions; the appended "
+                                 f"rows reach position {int(ends.max())}")
+            if paged:
+                used = (ends + page_size - 1) // page_size
+                rows = torch.arange(block_table.shape[1], device=dev)[None, :] < used[:, None]
+                if bool(((block_table < 0) | (block_table >= k_cache.shape[0]))[rows].any()):
+                    raise ValueError("flash_ext: block_table: pages in use must index k_cache's pages "
+                                     f"[0, {k_cache.shape[0]})")
+            if cache_batch_idx is not None and bool(((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).any()):
+                raise ValueError(f"flash_ext: cache_batch_idx must index k_cache's batch [0, {k_cache.shape[0]})")
+        pos = seqlens.long()[:, None] + torch.arange(seqlen_new, device=dev)[None, :]   # (b, seqlen_new)
+        if rotary_cos is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+        if paged:
+            pages = block_table.long().gather(1, pos // page_size)
+            k_cache[pages, pos % page_size] = k.to(k_cache.dtype)
+            v_cache[pages, pos % page_size] = v.to(v_cache.dtype)
+        else:
+            batch = (cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev))[:, None]
+            k_cache[batch, pos] = k.to(k_cache.dtype)
+            v_cache[batch, pos] = v.to(v_cache.dtype)
+        if rotary_cos is not None:
+            local = causal or window_size[0] >= 0 or window_size[1] >= 0
+            qpos = seqlens.long()[:, None] + (torch.arange(sq, device=dev)[None, :] if local else 0)
+            q = apply_rotary(q, rotary_cos, rotary_sin, qpos.expand(b, sq), rotary_interleaved)
+
+    seqlens_k = (seqlens + seqlen_new - leftpad).to(torch.int32)
+    q, k_cache_p, v_cache_p, softmax_scale, head_dim = _prepare_qkv(q, k_cache, v_cache, softmax_scale, rank=4)
+    out, lse = torch.ops.flash_ext.kvcache_fwd(
+        q, k_cache_p, v_cache_p, seqlens_k, cache_batch_idx, cache_leftpad, block_table, softmax_scale, bool(causal),
+        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,130 @@
+"""flash_attn_with_kvcache against a reference that appends and rotates first, then calls attention_ref on
+the visible keys of each batch entry; paged vs contiguous caches; bad indices."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_ext
+from flash_ext.kvcache import apply_rotary
+from attn_check import check_close
+from conftest import DEVICES, require_device
+
+
+def _rotary_tables(seqlen: int, rotary_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(seqlen, rotary_dim // 2, device=device) * 6.28
+    return angles.cos(), angles.sin()
+
+
+def _reference(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, causal, window, interleaved):
+    """Appends and rotates with plain indexing, then checks per batch entry against attention_ref."""
+    b, sq = q.shape[:2]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    qs, ks, vs, outs = [], [], [], []
+    for i in range(b):
+        bi = int(batch_idx[i]) if batch_idx is not None else i
+        start = int(seqlens[i])
+        lp = int(leftpad[i]) if leftpad is not None else 0
+        qi = q[i:i + 1]
+        if k is not None:
+            pos = torch.arange(start, start + k.shape[1], device=q.device)[None]
+            ki = apply_rotary(k[i:i + 1], cos, sin, pos, interleaved) if cos is not None else k[i:i + 1]
+            kc[bi, start:start + k.shape[1]] = ki[0]
+            vc[bi, start:start + k.shape[1]] = v[i]
+            if cos is not None:
+                local = causal or window != (-1, -1)
+                qpos = (torch.arange(sq, device=q.device) + start if local else torch.full((sq,), start, device=q.device))
+                qi = apply_rotary(qi, cos, sin, qpos[None], interleaved)
+        end = start + (k.shape[1] if k is not None else 0)
+        qs.append(qi)
+        ks.append(kc[bi:bi + 1, lp:end])
+        vs.append(vc[bi:bi + 1, lp:end])
+    return qs, ks, vs, kc, vc
+
+
+CASES = [
+    # b, sq, cache_len, hk, h, d, seqlen_new, kwargs
+    (2, 1, 300, 2, 8, 64, 1, {"causal": True}),                                    # decode step, GQA
+    (3, 4, 500, 1, 4, 128, 4, {"causal": True, "rotary": "neox"}),                 # speculative, rotary
+    (2, 7, 256, 2, 2, 64, 7, {"window_size": (50, 0), "rotary": "gptj"}),
+    (2, 5, 400, 2, 2, 96, 0, {}),                                                  # no append
+    (2, 3, 333, 2, 4, 64, 3, {"causal": True, "batch_idx": True, "leftpad": True}),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kvcache_matches_reference(device: str, case: int) -> None:
+    device = require_device(device)
+    b, sq, cache_len, hk, h, d, new, kw = CASES[case]
+    dtype = torch.bfloat16
+    b_cache = b + 2 if kw.get("batch_idx") else b
+    k_cache = torch.randn(b_cache, cache_len, hk, d, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, sq, h, d, dtype=dtype, device=device)
+    k = torch.randn(b, new, hk, d, dtype=dtype, device=device) if new else None
+    v = torch.randn(b, new, hk, d, dtype=dtype, device=device) if new else None
+    seqlens = torch.randint(10, cache_len - new, (b,), dtype=torch.int32, device=device)
+    batch_idx = torch.randperm(b_cache, device=device)[:b].to(torch.int32) if kw.get("batch_idx") else None
+    leftpad = torch.randint(0, 8, (b,), dtype=torch.int32, device=device) if kw.get("leftpad") else None
+    cos = sin = None
+    if "rotary" in kw:
+        cos, sin = _rotary_tables(cache_len, d // 2, device)
+    interleaved = kw.get("rotary") == "gptj"
+    causal, window = kw.get("causal", False), kw.get("window_size", (-1, -1))
+    qs, ks, vs, kc_ref, vc_ref = _reference(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
+                                             causal, window, interleaved)
+    out, lse = flash_ext.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
+        cache_leftpad=leftpad, causal=causal, window_size=window, rotary_interleaved=interleaved,
+        return_softmax_lse=True)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref), "append must write exactly the new rows"
+    for i in range(b):
+        check_close(out[i:i + 1], lse[i:i + 1], qs[i], ks[i], vs[i], causal=causal, window_size=window,
+                    context=f"case {case} batch entry {i}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 4, 0])
+def test_paged_equals_contiguous(device: str, num_splits: int) -> None:
+    device = require_device(device)
+    b, h, hk, d, page, pages_per_seq = 3, 8, 2, 128, 128, 4
+    cache_len = page * pages_per_seq
+    k_cache = torch.randn(b, cache_len, hk, d, dtype=torch.float16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    # Scatter the contiguous caches into pages in a shuffled order.
+    perm = torch.randperm(b * pages_per_seq, device=device)
+    table = perm.view(b, pages_per_seq).to(torch.int32)
+    k_pages = torch.empty(b * pages_per_seq, page, hk, d, dtype=torch.float16, device=device)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[perm] = k_cache.reshape(b * pages_per_seq, page, hk, d)
+    v_pages[perm] = v_cache.reshape(b * pages_per_seq, page, hk, d)
+    q = torch.randn(b, 2, h, d, dtype=torch.float16, device=device)
+    k_new = torch.randn(b, 2, hk, d, dtype=torch.float16, device=device)
+    v_new = torch.randn_like(k_new)
+    seqlens = torch.tensor([5, 200, 300], dtype=torch.int32, device=device)
+    out_c = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                              num_splits=num_splits)
+    out_p = flash_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens,
+                                              block_table=table, causal=True, num_splits=num_splits)
+    assert torch.equal(out_c, out_p)
+    assert torch.equal(k_pages[perm].reshape_as(k_cache), k_cache)  # appended rows landed in the right pages
+
+
+def test_kvcache_bad_indices() -> None:
+    q = torch.randn(2, 1, 2, 64)
+    k_cache = torch.randn(2, 16, 2, 64)
+    new = torch.randn(2, 1, 2, 64)
+    with pytest.raises(ValueError, match="capacity"):
+        flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=16)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=4,
+                                          cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32))
+    pages = torch.randn(4, 128, 2, 64)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_ext.flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=100,
+                                          block_table=torch.tensor([[0], [9]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="page size"):
+        small = torch.randn(4, 16, 2, 64)
+        flash_ext.flash_attn_with_kvcache(q, small, small.clone(), cache_seqlens=4,
+                                          block_table=torch.tensor([[0], [1]], dtype=torch.int32))
