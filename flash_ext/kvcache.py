@@ -61,7 +61,7 @@ def flash_attn_with_kvcache(
     * ``k_cache``/``v_cache``: (batch_cache, seqlen_cache, nheads_k, d), or with ``block_table`` (int32,
       (b, max_pages)) a paged cache (num_pages, page_size, nheads_k, d) with page_size a multiple of 128.
     * ``cache_seqlens`` (int or int32 (b,)): current cache lengths (absolute row index of the first free
-      slot); default: the whole cache.  ``cache_batch_idx`` (int32 (b,)): cache batch of each q batch entry.
+      slot); default (only without new k/v): the whole cache.  ``cache_batch_idx`` (int32 (b,)): cache batch of each q batch entry.
       ``cache_leftpad`` (int32 (b,)): the cache of entry i starts at row ``cache_leftpad[i]``.
     * ``k``/``v`` (b, seqlen_new, nheads_k, d): appended **in place** at rows ``cache_seqlens[i] ...`` before
       attention.  With ``rotary_cos``/``rotary_sin`` ((seqlen_ro, rotary_dim / 2)), k is rotated at those
@@ -87,7 +87,10 @@ def flash_attn_with_kvcache(
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged and block_table.dim() == 2 else k_cache.shape[1]
     if cache_seqlens is None:
-        seqlens = torch.full((b,), capacity if k is None else 0, dtype=torch.int32, device=dev)
+        if k is not None:
+            raise ValueError("flash_ext: cache_seqlens: got None with new k/v; appending needs the current cache "
+                             "lengths (an int or an int32 tensor of shape (batch,))")
+        seqlens = torch.full((b,), capacity, dtype=torch.int32, device=dev)
     elif isinstance(cache_seqlens, int):
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
     else:

@@ -111,12 +111,23 @@ def test_paged_equals_contiguous(device: str, num_splits: int) -> None:
     assert torch.equal(k_pages[perm].reshape_as(k_cache), k_cache)  # appended rows landed in the right pages
 
 
+def test_kvcache_whole_cache_by_default() -> None:
+    """Without new keys and cache_seqlens, every row of the cache is attended to."""
+    q = torch.randn(2, 3, 4, 64, dtype=torch.bfloat16)
+    k_cache = torch.randn(2, 50, 2, 64, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    out, lse = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, return_softmax_lse=True)
+    check_close(out, lse, q, k_cache, v_cache, causal=True, context="whole cache")
+
+
 def test_kvcache_bad_indices() -> None:
     q = torch.randn(2, 1, 2, 64)
     k_cache = torch.randn(2, 16, 2, 64)
     new = torch.randn(2, 1, 2, 64)
     with pytest.raises(ValueError, match="capacity"):
         flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=16)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new)
     with pytest.raises(ValueError, match="cache_batch_idx"):
         flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=4,
                                           cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32))
