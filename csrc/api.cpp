@@ -346,6 +346,23 @@ void maybe_poison(at::Tensor& out, at::Tensor& lse) {
   }
 }
 
+// Tensors a launch reads, kept alive until it returns: CUDA inputs realigned where needed (copies),
+// contiguous ALiBi slopes.  Also poisons the outputs in test mode and records all layouts in params.
+struct KernelInputs {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> alibi;
+};
+
+KernelInputs prepare_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                            at::Tensor& out, at::Tensor& lse, std::optional<at::Tensor> const& alibi_slopes) {
+  maybe_poison(out, lse);
+  KernelInputs in{aligned_for_kernel(q), aligned_for_kernel(k), aligned_for_kernel(v), std::nullopt};
+  if (alibi_slopes.has_value()) { in.alibi = alibi_slopes->contiguous(); }
+  set_inputs(p, in.q, in.k, in.v);
+  set_outputs(p, out, lse);
+  return in;
+}
+
 // Decode with grouped heads: one query row per sequence and g = h / h_k query heads per K/V head.  Viewing
 // the g query heads of a group as g query rows of one head (flash_attn's "seqlenq_ngroups_swapped") fills
 // the M tile with g real rows instead of 1 and reads each K/V tile once per group instead of g times.
@@ -392,18 +409,13 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
     lse.fill_(INFINITY);
     return {out, lse};
   }
-  maybe_poison(out, lse);
-  std::optional<at::Tensor> alibi;
-  if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
-  at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k), va = aligned_for_kernel(v);
   FwdParams p;
-  set_inputs(p, qa, ka, va);
-  set_outputs(p, out, lse);
+  KernelInputs const in = prepare_inputs(p, q, k, v, out, lse, alibi_slopes);
   p.b = int(b);
   p.seqlen_q = int(sq);
   p.seqlen_k = int(sk);
-  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
-  auto const accum = set_splits(p, qa, num_splits, b * sq);
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
+  auto const accum = set_splits(p, in.q, num_splits, b * sq);
   launch(p, q, "flash_ext.fwd");
   return {out, lse};
 }
@@ -485,16 +497,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   at::Tensor out = at::empty({total_q, h, d}, q.options());
   at::Tensor lse = at::empty({h, total_q}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 || b == 0 || max_seqlen_q == 0) { return {out, lse}; }
-  maybe_poison(out, lse);
-  std::optional<at::Tensor> alibi;
-  if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
   at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
   std::optional<at::Tensor> used;
   if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
-  at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k), va = aligned_for_kernel(v);
   FwdParams p;
-  set_inputs(p, qa, ka, va);
-  set_outputs(p, out, lse);
+  KernelInputs const in = prepare_inputs(p, q, k, v, out, lse, alibi_slopes);
   p.b = int(b);
   p.seqlen_q = int(max_seqlen_q);
   p.seqlen_k = int(max_seqlen_k);
@@ -502,8 +509,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   p.cu_seqlens_q = cu_q.data_ptr<int>();
   p.cu_seqlens_k = cu_k.data_ptr<int>();
   p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
-  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
-  auto const accum = set_splits(p, qa, num_splits, total_q);
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
+  auto const accum = set_splits(p, in.q, num_splits, total_q);
   launch(p, q, "flash_ext.varlen_fwd");
   return {out, lse};
 }
@@ -598,18 +605,13 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor c
   at::Tensor out = at::empty({b, sq, h, d}, q.options());
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) { return {out, lse}; }
-  maybe_poison(out, lse);
-  std::optional<at::Tensor> alibi;
-  if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
   at::Tensor const len = seqlens_k.contiguous();
   std::optional<at::Tensor> idx, pad, table;
   if (kv_batch_idx.has_value()) { idx = kv_batch_idx->contiguous(); }
   if (leftpad_k.has_value()) { pad = leftpad_k->contiguous(); }
   if (block_table.has_value()) { table = block_table->contiguous(); }
-  at::Tensor const qa = aligned_for_kernel(q), ka = aligned_for_kernel(k_cache), va = aligned_for_kernel(v_cache);
   FwdParams p;
-  set_inputs(p, qa, ka, va);
-  set_outputs(p, out, lse);
+  KernelInputs const in = prepare_inputs(p, q, k_cache, v_cache, out, lse, alibi_slopes);
   p.b = int(b);
   p.seqlen_q = int(sq);
   p.seqlen_k = int(std::max<int64_t>(capacity, 1));  // an upper bound: per-batch key counts are in seqused_k
@@ -621,8 +623,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor c
     p.block_table_batch_stride = table->stride(0);
     p.page_size = int(page_size);
   }
-  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi);
-  auto const accum = set_splits(p, qa, num_splits, b * sq);
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
+  auto const accum = set_splits(p, in.q, num_splits, b * sq);
   launch(p, q, "flash_ext.kvcache_fwd");
   return {out, lse};
 }
