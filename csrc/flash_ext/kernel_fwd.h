@@ -91,15 +91,16 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);                                          // (CPY,CPY_N,CPY_K)
   // K/V tile n as this thread's copy partition.  Each tile is addressed from its own base (block_info.h),
   // so contiguous, varlen, batch-indexed and paged caches share one code path.
-  auto kv_tile = [&](void const* base, index_t batch_stride, index_t row_stride, index_t head_stride, int n) {
-    Element const* ptr = static_cast<Element const*>(base) + head_stride * bidh_kv +
-                         binfo.kv_tile_offset(params, bidb, n, kBlockN, batch_stride, row_stride);
+  Element const* const k_head = static_cast<Element const*>(params.k_ptr) + params.k_head_stride * bidh_kv;
+  Element const* const v_head = static_cast<Element const*>(params.v_ptr) + params.v_head_stride * bidh_kv;
+  auto kv_tile = [&](Element const* head_base, index_t batch_stride, index_t row_stride, int n) {
+    Element const* ptr = head_base + binfo.kv_tile_offset(params, bidb, n, kBlockN, batch_stride, row_stride);
     Tensor gKV = make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                                              make_stride(row_stride, _1{})));  // (BLK_N,HEAD_DIM)
     return gmem_thr_copy_QKV.partition_S(gKV);                                                // (CPY,CPY_N,CPY_K)
   };
-  auto tKgK = [&](int n) { return kv_tile(params.k_ptr, params.k_batch_stride, params.k_row_stride, params.k_head_stride, n); };
-  auto tVgV = [&](int n) { return kv_tile(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride, n); };
+  auto tKgK = [&](int n) { return kv_tile(k_head, params.k_batch_stride, params.k_row_stride, n); };
+  auto tVgV = [&](int n) { return kv_tile(v_head, params.v_batch_stride, params.v_row_stride, n); };
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));          // (CPY,CPY_M,CPY_K) -> (m,k)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));        // (CPY,CPY_N,CPY_K) -> (n,k)
 
