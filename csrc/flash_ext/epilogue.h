@@ -4,10 +4,13 @@
 // Each row's LSE is written by the one thread that holds that row's column 0.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "block_info.h"
 #include "copy.h"
+#include "flags.h"
 #include "gemm.h"
 #include "params.h"
 
@@ -34,10 +37,18 @@ CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& bi
     if (row >= binfo.seqlen_q) { continue; }
     index_t const r = split_base + binfo.accum_row(params, bidb, row);
     if (get<1>(taccOcO(i, 0)) == 0) { params.lseaccum_ptr[r] = lse(i); }
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(acc_o_rc); ++j) {
-      int const col = get<1>(taccOcO(i, j));
-      if (col < params.d) { params.oaccum_ptr[r * params.d + col] = acc_o_rc(i, j); }
+    float* const orow = params.oaccum_ptr + r * params.d;
+    // A full head dim stores without per-column predicates: 2 x kHeadDim / 8 of them per thread would
+    // otherwise be live at once next to the accumulator (the head-dim-256 kernels spilled for it).
+    if (params.d == kHeadDim) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(acc_o_rc); ++j) { orow[get<1>(taccOcO(i, j))] = acc_o_rc(i, j); }
+    } else {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(acc_o_rc); ++j) {
+        int const col = get<1>(taccOcO(i, j));
+        if (col < params.d) { orow[col] = acc_o_rc(i, j); }
+      }
     }
   }
 }
@@ -94,8 +105,13 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   Tensor tOcO = gmem_thr_copy_O.partition_D(cO);                                           // (CPY,CPY_M,CPY_K) -> (m,k)
   Tensor tOrO = make_tensor<Element>(shape(tOgO));                                         // (CPY,CPY_M,CPY_K)
   copy(gmem_tiled_copy_O, tOsO, tOrO);
-  copy_tile(gmem_tiled_copy_O, tOrO, tOgO, tOcO, binfo.seqlen_q - m_block * kBlockM, params.d, flags.even_mn,
-            flags.even_k, /*clear_oob=*/false);
+  // Runtime even flags are re-derived from this tile instead of read from `flags`: keeping them live across
+  // the main loop costs a register, which the head-dim-256 kernels (255 registers) spill for.  A static
+  // flag stays static; a block of full rows needs no row predicates even in an uneven problem.
+  int const rows_left = binfo.seqlen_q - m_block * kBlockM;
+  auto const full_rows = make_flag<std::remove_cv_t<decltype(flags.even_mn)>>(rows_left >= kBlockM);
+  auto const full_cols = make_flag<std::remove_cv_t<decltype(flags.even_k)>>(params.d == kHeadDim);
+  copy_tile(gmem_tiled_copy_O, tOrO, tOgO, tOcO, rows_left, params.d, full_rows, full_cols, /*clear_oob=*/false);
 }
 
 }  // namespace flash_ext

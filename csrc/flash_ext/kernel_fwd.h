@@ -52,7 +52,9 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   int n_min = n_block_min<kBlockM, kBlockN>(binfo, window, m_block);
   int n_max = n_block_max<kBlockM, kBlockN>(binfo, window, m_block);
   if (flags.split) { restrict_to_split<kBlockN>(binfo, params.num_splits, n_split, n_min, n_max); }
-  float const empty_lse = flags.split ? -INFINITY : INFINITY;
+  // LSE of a row that sees no key: +inf for a final result, -inf for a split partial.  Evaluated where it is
+  // used, not held across the main loop (the head-dim-256 kernels have no register to spare for it).
+  auto empty_lse = [&flags] { return flags.split ? -INFINITY : INFINITY; };
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
@@ -65,7 +67,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   // past the diagonal): O = 0 and LSE = +inf (a split partial: -inf), without touching K or V.
   if (n_max <= n_min) {
     Tensor lse = make_tensor<float>(Shape<Int<kNRows>>{});
-    fill(lse, empty_lse);
+    fill(lse, empty_lse());
     write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
     return;
   }
@@ -166,7 +168,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K, smem_thr_copy_Q,
               smem_thr_copy_K);
     }
-    if (flags.softcap) { apply_softcap(acc_s, params.softcap_prescale); }
+    if (flags.softcap) { apply_softcap<Traits>(acc_s, params.softcap_prescale); }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
@@ -188,7 +190,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
   }
 
-  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse);
+  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse());
   // The last read of sQ (the final Q.K^T) happened before the loop's second barrier: sO may reuse it.
   write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
 }

@@ -13,10 +13,10 @@
 namespace flash_ext {
 
 // x = tanh(S * softmax_scale / softcap); the true score is x * softcap (params.score_scale).
-template <class Tensor>
+template <class Traits, class Tensor>
 CUTE_HOST_DEVICE void apply_softcap(Tensor& acc, float prescale) {
   CUTE_UNROLL
-  for (int i = 0; i < cute::size(acc); ++i) { acc(i) = tanhf(acc(i) * prescale); }
+  for (int i = 0; i < cute::size(acc); ++i) { acc(i) = Traits::tanh(acc(i) * prescale); }
 }
 
 template <class Flags>

@@ -4,6 +4,7 @@
 // 4x16x16 tile the compiler vectorises along N, standing in for mma.sync.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -204,6 +205,7 @@ struct HostTraits {
   static void cp_async_wait() {}
   static void barrier() {}
   static float exp2(float x) { return host_exp2(x); }
+  static float tanh(float x) { return std::tanh(x); }
   template <class Op>
   static float row_allreduce(float x, Op) { return x; }
 };

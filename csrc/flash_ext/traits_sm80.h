@@ -107,6 +107,14 @@ struct Sm80Traits {
   CUTE_DEVICE static void barrier() { __syncthreads(); }
   // ex2.approx under --use_fast_math: one MUFU op; exp2(-inf) = 0 as the softmax needs.
   CUTE_DEVICE static float exp2(float x) { return exp2f(x); }
+  // Softcap's tanh as one MUFU op (sm_75+; relative error about 2^-11, below the 2^-8 of the bf16 scores
+  // it caps).  tanhf is a ~20-instruction sequence per score that also pushed the head-dim-256
+  // runtime-flag kernels into spilling.
+  CUTE_DEVICE static float tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
 
   // A row of the S accumulator is spread over the 4 lanes of a quad (lanes 4r..4r+3, see the
   // partition tests); xor-shuffles over lane bits 0 and 1 combine exactly that group.
