@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flash_ext
 from flash_ext import flash_attn_func
 
 from attn_check import check_close, make_alibi, make_qkv
@@ -139,3 +140,83 @@ def test_export(device):
         x2 = torch.randn(2, 90, 160, dtype=torch.bfloat16, device=device)
         _, k2, v2 = make_qkv(2, 90, 31, 4, 2, 40, torch.bfloat16, device)
         assert torch.equal(ep.module()(x2, k2, v2), m(x2, k2, v2))
+
+
+def _varlen_args(device, seqused: bool):
+    """varlen_fwd args: three sequences (one empty), GQA, causal + softcap; optionally seqused_k."""
+    lens_q, lens_k = [5, 0, 33], [9, 4, 40]
+    cu_q = torch.tensor([0, 5, 5, 38], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 13, 53], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), 4, 64, dtype=torch.bfloat16, device=device)
+    k = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, device=device)
+    v = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, device=device)
+    used = torch.tensor([7, 0, 40], dtype=torch.int32, device=device) if seqused else None
+    return (q, k, v, cu_q, cu_k, used, max(lens_q), max(lens_k), 0.125, True, -1, -1, 8.0, None)
+
+
+def _kvcache_args(device, paged: bool):
+    """kvcache_fwd args: decode-like (2 query rows) against a contiguous or a paged cache."""
+    b, h, hk, d = 2, 4, 2, 64
+    q = torch.randn(b, 2, h, d, dtype=torch.float16, device=device)
+    if paged:
+        k_cache = torch.randn(5, 128, hk, d, dtype=torch.float16, device=device)
+        block_table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=device)
+    else:
+        k_cache = torch.randn(b, 200, hk, d, dtype=torch.float16, device=device)
+        block_table = None
+    v_cache = torch.randn_like(k_cache)
+    seqlens_k = torch.tensor([130, 17], dtype=torch.int32, device=device)
+    return (q, k_cache, v_cache, seqlens_k, None, None, block_table, 0.125, True, -1, -1, 0.0, None, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seqused", [False, True])
+def test_opcheck_varlen(device, seqused):
+    device = require_device(device)
+    torch.library.opcheck(torch.ops.flash_ext.varlen_fwd.default, _varlen_args(device, seqused))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_opcheck_kvcache(device, paged):
+    device = require_device(device)
+    torch.library.opcheck(torch.ops.flash_ext.kvcache_fwd.default, _kvcache_args(device, paged))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_kvcache_decode_step(device):
+    """A decode step (rotary, in-place append, attention) compiled == eager, caches included.  The index
+    checks before the append read values on the host, so that part runs eagerly (a graph break)."""
+    device = require_device(device)
+    b, h, hk, d, cap = 2, 4, 2, 64, 96
+    cos, sin = torch.randn(cap, d // 4, device=device).cos(), torch.randn(cap, d // 4, device=device).sin()
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                 cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+
+    compiled = torch.compile(step)
+    q = torch.randn(b, 1, h, d, dtype=torch.bfloat16, device=device)
+    k, v = (torch.randn(b, 1, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
+    k_cache = torch.randn(b, cap, hk, d, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.tensor([10, 57], dtype=torch.int32, device=device)
+    kc_e, vc_e = k_cache.clone(), v_cache.clone()
+    out, lse = compiled(q, k_cache, v_cache, k, v, seqlens)
+    out_e, lse_e = step(q, kc_e, vc_e, k, v, seqlens)
+    assert torch.equal(k_cache, kc_e) and torch.equal(v_cache, vc_e)
+    assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_kvcache_read_only(device):
+    """Attention against an existing (paged) cache, no append: no host-side checks, one graph."""
+    device = require_device(device)
+    q, k_cache, v_cache, seqlens_k, _, _, block_table, *_ = _kvcache_args(device, paged=True)
+
+    def f(q, k_cache, v_cache, seqlens, block_table):
+        return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                 block_table=block_table, causal=True)
+
+    out = torch.compile(f, fullgraph=True)(q, k_cache, v_cache, seqlens_k, block_table)
+    assert torch.equal(out, f(q, k_cache, v_cache, seqlens_k, block_table))

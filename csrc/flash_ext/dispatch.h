@@ -36,7 +36,10 @@ constexpr int tile_smem_bytes(TileConfig t, int head_dim) { return (t.block_m + 
 //  - 8 warps own 16-row slabs.  The accumulators per thread are block_m * (block_n + head_dim) / 256
 //    floats.  With 4 warps (twice that) every head dim reached 255 registers once the runtime-flag variant
 //    carries ALiBi, softcap, local windows and split-KV, and nvcc 13.0 spilled (hd 64: 78 bytes, hd 128: 6,
-//    hd 256: 30); with 8 warps the worst kernel uses ~210 registers and none spills (docs/kernels.md).
+//    hd 256: 30); with 8 warps none spills (docs/kernels.md).  Registers of the worst kernel: 167-181 at
+//    hd 32, ~210 at hd 64, 213-224 at hd 96, 233-243 at hd 128, and 255 at hd 192/256: no headroom there,
+//    so a change to the body is re-checked with scripts/compile_all.sh (hd 256 spilled 2-12 bytes until
+//    softcap used tanh.approx and the epilogue stopped keeping loop-invariant values live).
 //  - At <= 255 registers x 256 threads one CTA fits an SM's 64K registers: 8 warps per SM overlap MMA,
 //    exp2 and cp.async.  block_n trades the S accumulators (and smem) against barriers per K/V byte.
 constexpr TileConfig sm80_tile_config(int head_dim, bool /*causal*/, SmemBudget /*budget*/ = SmemBudget::kSm80) {
