@@ -220,7 +220,7 @@ std::string plan_json(FwdParams const& p, at::Tensor const& q) {
   if (q.device().is_cpu()) {
     backend = "host traits (CPU)";
     head_dim = host_head_dim_for(p.d);
-    block_m = kHostBlockM;
+    block_m = host_block_m(p.seqlen_q);
     block_n = kHostBlockN;
     threads = 1;
     smem = (block_m + 2 * block_n) * head_dim * int(q.element_size());
@@ -297,7 +297,7 @@ struct SplitContext {
 SplitContext split_context(FwdParams const& p, at::Tensor const& q) {
   SplitContext ctx;
   if (q.device().is_cpu()) {
-    ctx.block_m = kHostBlockM, ctx.block_n = kHostBlockN, ctx.processors = at::get_num_threads();
+    ctx.block_m = host_block_m(p.seqlen_q), ctx.block_n = kHostBlockN, ctx.processors = at::get_num_threads();
     return ctx;
   }
 #if defined(FLASH_EXT_WITH_CUDA)

@@ -24,6 +24,18 @@ def test_explain_cpu_plan_fields() -> None:
     assert "tile" in text and "HBM" in text
 
 
+def test_explain_cpu_short_query_tile() -> None:
+    """Up to 16 query rows run on a 16-row host tile; GQA decode counts a K/V group's heads as rows."""
+    def block_m(sq: int, h: int = 4, hk: int = 4) -> int:
+        q = torch.randn(1, sq, h, 64)
+        k = torch.randn(1, 100, hk, 64)
+        return flash_ext.explain(q, k, k, verbose=False).plan["block_m"]
+
+    assert block_m(16) == 16 and block_m(17) == 128
+    assert block_m(1, h=32, hk=2) == 16   # 16 query heads per K/V head -> 16 rows
+    assert block_m(1, h=64, hk=2) == 128  # 32 rows
+
+
 def test_explain_window_normalisation_is_reported() -> None:
     q = torch.randn(1, 40, 2, 32)
     k = torch.randn(1, 8, 2, 32)

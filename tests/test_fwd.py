@@ -187,6 +187,19 @@ def test_masking(device, sq, sk, causal, window, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq", [1, 3, 15, 16, 17])
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_queries(device, sq, causal):
+    """Around the CPU's switch from a 16-row to a 128-row tile (launch_host.h); sq = 1 with GQA also runs a
+    K/V group's query heads as rows.  ALiBi and a window keep every mask path live."""
+    device = require_device(device)
+    q, k, v = make_qkv(2, sq, 203, 8, 2, 128, torch.bfloat16, device)
+    kw = {"alibi_slopes": make_alibi(2, 8, device=device), "window_size": (150, -1) if causal else (-1, -1)}
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **kw)
+    check_close(out, lse, q, k, v, causal=causal, context=f"sq={sq}", **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("extra", ["alibi", "softcap"])
 def test_masking_empty_rows_with_alibi_softcap(device, extra):
     """Empty rows stay exactly (0, +inf) when ALiBi/softcap paths are active."""

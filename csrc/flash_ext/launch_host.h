@@ -1,6 +1,6 @@
 // The CPU backend: the kernel body instantiated with HostTraits, one call per (m_block, batch, head),
 // spread over CPU threads by a caller-supplied parallel-for (at::parallel_for in the extension, a plain
-// loop in the C++ tests).  Every flag is a runtime bool here: one instance per (dtype, head dim).
+// loop in the C++ tests).  Every flag is a runtime bool here: two tile heights per (dtype, head dim).
 #pragma once
 
 #include <cstdint>
@@ -15,11 +15,14 @@ namespace flash_ext {
 
 // Host tiles: 128 query rows amortise each K/V tile's copy into operand fragments (measured 37 -> 46 GF/s
 // per core at d=64 vs 64 rows; 128 key columns gave 2% more for twice the S buffer).  Everything a
-// "CTA" touches (~100-300 KB) stays in L2.
+// "CTA" touches (~100-300 KB) stays in L2.  A problem of at most 16 query rows (decode: one token, or
+// the query heads of one K/V group run as rows) gets a 16-row tile instead: in a 128-row tile it would
+// pay for 112 empty rows in every Q.K^T and P.V.
 inline constexpr int kHostBlockM = 128;
+inline constexpr int kHostBlockMShort = 16;
 inline constexpr int kHostBlockN = 64;
-template <int kHeadDim, class Element>
-using HostFwdTraits = HostTraits<kHeadDim, kHostBlockM, kHostBlockN, Element>;
+
+constexpr int host_block_m(int seqlen_q) { return seqlen_q <= kHostBlockMShort ? kHostBlockMShort : kHostBlockM; }
 
 // Head dims compiled for the host, ascending.  A problem with head dim d runs the smallest kHeadDim >= d.
 inline constexpr int kHostHeadDims[] = {32, 64, 96, 128, 192, 256};
@@ -66,15 +69,24 @@ void run_fwd_host_traits(FwdParams const& params, ParallelFor&& parallel_for) {
   }
 }
 
+template <int kHeadDim, class Element, class ParallelFor>
+void run_fwd_host_head_dim(FwdParams const& params, ParallelFor&& parallel_for) {
+  if (host_block_m(params.seqlen_q) == kHostBlockMShort) {
+    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN, Element>>(params, parallel_for);
+  } else {
+    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN, Element>>(params, parallel_for);
+  }
+}
+
 template <class Element, class ParallelFor>
 void run_fwd_host(FwdParams const& params, ParallelFor&& parallel_for) {
   switch (host_head_dim_for(params.d)) {
-    case 32: return run_fwd_host_traits<HostFwdTraits<32, Element>>(params, parallel_for);
-    case 64: return run_fwd_host_traits<HostFwdTraits<64, Element>>(params, parallel_for);
-    case 96: return run_fwd_host_traits<HostFwdTraits<96, Element>>(params, parallel_for);
-    case 128: return run_fwd_host_traits<HostFwdTraits<128, Element>>(params, parallel_for);
-    case 192: return run_fwd_host_traits<HostFwdTraits<192, Element>>(params, parallel_for);
-    case 256: return run_fwd_host_traits<HostFwdTraits<256, Element>>(params, parallel_for);
+    case 32: return run_fwd_host_head_dim<32, Element>(params, parallel_for);
+    case 64: return run_fwd_host_head_dim<64, Element>(params, parallel_for);
+    case 96: return run_fwd_host_head_dim<96, Element>(params, parallel_for);
+    case 128: return run_fwd_host_head_dim<128, Element>(params, parallel_for);
+    case 192: return run_fwd_host_head_dim<192, Element>(params, parallel_for);
+    case 256: return run_fwd_host_head_dim<256, Element>(params, parallel_for);
     default: break;  // the op layer rejects d > 256 before this point
   }
 }

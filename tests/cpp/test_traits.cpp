@@ -182,6 +182,8 @@ void check_head_dim() {
   char name[64];
   std::snprintf(name, sizeof(name), "Host hd%d bf16 128x64", kHeadDim);
   check_traits<flash_ext::HostTraits<kHeadDim, 128, 64, cutlass::bfloat16_t>>(name, 1 << 30);
+  std::snprintf(name, sizeof(name), "Host hd%d bf16 16x64 (short queries)", kHeadDim);
+  check_traits<flash_ext::HostTraits<kHeadDim, 16, 64, cutlass::bfloat16_t>>(name, 1 << 30);
 }
 
 int main() {
