@@ -629,6 +629,112 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor c
   return {out, lse};
 }
 
+// The append half of flash_attn_with_kvcache (the Python layer has already rotated k): rows
+// cache_seqlens[i] .. cache_seqlens[i] + seqlen_new of batch entry i's cache (batch cache_batch_idx[i], or
+// its pages in block_table) receive k[i] and v[i].  Every index is checked before anything is written (on
+// CUDA one device-to-host copy, skipped with FLASH_EXT_TRUST_CU_SEQLENS=1): a bad index is a ValueError,
+// never an out-of-bounds or wrapped-around write.  With rotary tables of rotary_len rows, the positions
+// cache_seqlens[i] + [0, rotary_rows) that k and q were rotated at must exist (rotary_len = -1: no rotary).
+// Being an op (not Python indexing) keeps the check host-side without a data-dependent branch in the
+// graph, so a whole decode step compiles into one graph.
+void kvcache_append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& k, at::Tensor const& v,
+                    at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+                    std::optional<at::Tensor> const& block_table, int64_t rotary_len, int64_t rotary_rows) {
+  ArgChecker c("flash_ext.kvcache_append_");
+  bool const caches_ok = k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes();
+  c.require(caches_ok, "k_cache/v_cache", str(k_cache.sizes()) + "/" + str(v_cache.sizes()),
+            "must share one 4-D shape");
+  bool const new_ok = k.dim() == 4 && v.sizes() == k.sizes() &&
+                      (!caches_ok || (k.size(2) == k_cache.size(2) && k.size(3) == k_cache.size(3)));
+  c.require(new_ok, "k/v", str(k.sizes()) + "/" + str(v.sizes()),
+            "must share one shape (batch, seqlen_new, nheads_k, d) with k_cache's nheads_k and d");
+  c.require(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                v_cache.scalar_type() == k_cache.scalar_type(),
+            "k/v", str(k.scalar_type()) + "/" + str(v.scalar_type()), "must have the caches' dtype (" +
+                str(k_cache.scalar_type()) + ")");
+  bool const same_device = v_cache.device() == k_cache.device() && k.device() == k_cache.device() &&
+                           v.device() == k_cache.device();
+  c.require(same_device, "k/v/v_cache", "tensors on different devices", "must be on k_cache's device");
+  int64_t const b = new_ok ? k.size(0) : -1;
+  auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
+    if (!t.has_value()) { return true; }
+    bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == k_cache.device() &&
+                    (b < 0 || t->size(0) == b);
+    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+              "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(b) +
+                  ") rows on k_cache's device");
+    return ok;
+  };
+  bool const idx_ok = index_ok(cache_seqlens, "cache_seqlens", 1) && index_ok(cache_batch_idx, "cache_batch_idx", 1) &&
+                      index_ok(block_table, "block_table", 2);
+  bool const paged = block_table.has_value();
+  if (paged) {
+    c.require(!cache_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
+              "paged KV selects pages through block_table; cache_batch_idx must be None");
+  }
+  static bool const trust = [] {
+    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  int64_t const page_size = caches_ok && paged ? k_cache.size(1) : 0;
+  int64_t const seqlen_new = new_ok ? k.size(1) : 0;
+  if (caches_ok && new_ok && idx_ok && (k_cache.device().is_cpu() || !trust)) {
+    int64_t const capacity = paged ? block_table->size(1) * page_size : k_cache.size(1);
+    at::Tensor len = cache_seqlens.to(at::kCPU).contiguous();
+    int64_t bad_len = -1, bad_rotary = -1;
+    for (int64_t i = 0; i < b; ++i) {
+      int64_t const l = len.data_ptr<int>()[i];
+      if (bad_len < 0 && (l < 0 || l + seqlen_new > capacity)) { bad_len = i; }
+      if (bad_rotary < 0 && rotary_len >= 0 && l + rotary_rows > rotary_len) { bad_rotary = i; }
+    }
+    c.require(bad_len < 0, "cache_seqlens", "batch entry " + std::to_string(bad_len),
+              "appending " + std::to_string(seqlen_new) + " rows needs 0 <= cache_seqlens and cache_seqlens + " +
+                  std::to_string(seqlen_new) + " <= the cache capacity " + std::to_string(capacity));
+    c.require(bad_rotary < 0, "rotary_cos/rotary_sin", std::to_string(rotary_len) + " positions",
+              "must cover positions cache_seqlens + [0, " + std::to_string(rotary_rows) + ") (batch entry " +
+                  std::to_string(bad_rotary) + " goes past them)");
+    if (cache_batch_idx.has_value()) {
+      at::Tensor idx = cache_batch_idx->to(at::kCPU).contiguous();
+      int64_t bad = -1;
+      for (int64_t i = 0; i < b && bad < 0; ++i) {
+        int const x = idx.data_ptr<int>()[i];
+        if (x < 0 || x >= k_cache.size(0)) { bad = i; }
+      }
+      c.require(bad < 0, "cache_batch_idx", "value at index " + std::to_string(bad),
+                "must index k_cache's batch dimension [0, " + std::to_string(k_cache.size(0)) + ")");
+    }
+    if (paged && bad_len < 0) {
+      at::Tensor table = block_table->to(at::kCPU).contiguous();
+      int64_t bad = -1;
+      for (int64_t i = 0; i < b && bad < 0; ++i) {
+        int64_t const first = len.data_ptr<int>()[i] / page_size;
+        int64_t const end = (int64_t(len.data_ptr<int>()[i]) + seqlen_new + page_size - 1) / page_size;
+        for (int64_t j = first; j < end; ++j) {
+          int const page = table.data_ptr<int>()[i * table.size(1) + j];
+          if (page < 0 || page >= k_cache.size(0)) { bad = i; }
+        }
+      }
+      c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
+                "the pages the new rows go to must index k_cache's pages [0, " + std::to_string(k_cache.size(0)) +
+                    ")");
+    }
+  }
+  c.raise_if_any();
+  if (b == 0 || seqlen_new == 0) { return; }
+  auto const long_opts = cache_seqlens.options().dtype(at::kLong);
+  at::Tensor const pos = cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(seqlen_new, long_opts).unsqueeze(0);  // (b, seqlen_new)
+  if (paged) {
+    at::Tensor const page = block_table->to(at::kLong).gather(1, at::div(pos, page_size, "floor"));
+    at::Tensor const row = at::remainder(pos, page_size);
+    k_cache.index_put_({page, row}, k);
+    v_cache.index_put_({page, row}, v);
+  } else {
+    at::Tensor const batch = (cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(b, long_opts)).unsqueeze(1);
+    k_cache.index_put_({batch, pos}, k);
+    v_cache.index_put_({batch, pos}, v);
+  }
+}
+
 // explain(): the plan for a fwd call, or every reason it cannot run.  Runs no kernel.
 std::string plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
                      int64_t window_left, int64_t window_right, double softcap,
@@ -693,6 +799,9 @@ TORCH_LIBRARY(flash_ext, m) {
       "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, int window_left, "
       "int window_right, float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "kvcache_append_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cache_seqlens, "
+      "Tensor? cache_batch_idx, Tensor? block_table, int rotary_len=-1, int rotary_rows=0) -> ()");
   m.def("_set_poison_outputs(bool enable) -> bool", &set_poison_outputs);
   m.def(
       "_plan_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
@@ -709,6 +818,7 @@ TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {
   m.impl("fwd", &fwd);
   m.impl("varlen_fwd", &varlen_fwd);
   m.impl("kvcache_fwd", &kvcache_fwd);
+  m.impl("kvcache_append_", &kvcache_append);
 }
 
 #if defined(FLASH_EXT_WITH_CUDA)
@@ -716,6 +826,7 @@ TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
   m.impl("fwd", &fwd);
   m.impl("varlen_fwd", &varlen_fwd);
   m.impl("kvcache_fwd", &kvcache_fwd);
+  m.impl("kvcache_append_", &kvcache_append);
 }
 #endif
 

@@ -43,6 +43,15 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_lef
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
+@torch.library.register_fake("flash_ext::kvcache_append_")
+def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_len=-1,
+                         rotary_rows=0):
+    _check_same_device("kvcache_append_", {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+                                           "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
+                                           "block_table": block_table})
+    return None
+
+
 def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 

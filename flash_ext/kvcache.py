@@ -3,7 +3,6 @@ rotary embeddings at absolute positions, batch-indexed, left-padded or paged cac
 against the cache through ``torch.ops.flash_ext.kvcache_fwd`` (split-KV for decode shapes)."""
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -29,10 +28,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
         rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
-
-
-def _trust_indices(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("FLASH_EXT_TRUST_CU_SEQLENS") == "1"
 
 
 def flash_attn_with_kvcache(
@@ -70,9 +65,11 @@ def flash_attn_with_kvcache(
     * Keys visible to entry i: rows ``[cache_leftpad[i], cache_seqlens[i] + seqlen_new)``; causal/local
       masks are bottom-right aligned to them.  Other arguments as in ``flash_attn_func``.
 
-    Index arguments are validated before anything is written (on CUDA: one device-to-host copy; set
-    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip it), so a bad length or page index is a ValueError, never an
-    out-of-bounds access.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
+    Index arguments are validated before anything is written, by the ops themselves (on CUDA: a
+    device-to-host copy in ``kvcache_append_`` and one in ``kvcache_fwd``; set
+    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip them), so a bad length or page index is a ValueError, never an
+    out-of-bounds access.  The whole function compiles into one graph under ``torch.compile``.  Returns
+    ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
     """
     _check_python_args(0.0, window_size)
     if (k is None) != (v is None):
@@ -81,6 +78,13 @@ def flash_attn_with_kvcache(
         raise ValueError("flash_ext: rotary_cos and rotary_sin must be given together (or neither)")
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"flash_ext: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} must both be 4-D")
+    if rotary_cos is not None:
+        shape_ok = (rotary_cos.dim() == 2 and rotary_sin.shape == rotary_cos.shape and rotary_cos.shape[0] >= 1
+                    and 0 < 2 * rotary_cos.shape[1] <= q.shape[-1])
+        if not shape_ok:
+            raise ValueError(f"flash_ext: rotary_cos/rotary_sin: got {tuple(rotary_cos.shape)}/"
+                             f"{tuple(rotary_sin.shape)}; must both be (seqlen_ro >= 1, rotary_dim / 2) with "
+                             f"0 < rotary_dim <= head dim {q.shape[-1]}")
     b, sq = q.shape[0], q.shape[1]
     dev = q.device
     paged = block_table is not None
@@ -105,37 +109,22 @@ def flash_attn_with_kvcache(
         if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
             raise ValueError(f"flash_ext: k/v: got {tuple(k.shape)}/{tuple(v.shape)}; must be (batch={b}, seqlen_new, "
                              f"nheads_k={k_cache.shape[2]}, d={k_cache.shape[3]})")
-        if not _trust_indices(seqlens):
-            ends = seqlens.long() + seqlen_new
-            if bool((seqlens < 0).any()) or bool((ends > capacity).any()):
-                raise ValueError(f"flash_ext: cache_seqlens: appending {seqlen_new} rows must stay within the cache "
-                                 f"capacity {capacity}; got cache_seqlens {seqlens.tolist()}")
-            if rotary_cos is not None and bool((ends > rotary_cos.shape[0]).any()):
-                raise ValueError(f"flash_ext: rotary_cos/rotary_sin: {rotary_cos.shape[0]} positions; the appended "
-                                 f"rows reach position {int(ends.max())}")
-            if paged:
-                used = (ends + page_size - 1) // page_size
-                rows = torch.arange(block_table.shape[1], device=dev)[None, :] < used[:, None]
-                if bool(((block_table < 0) | (block_table >= k_cache.shape[0]))[rows].any()):
-                    raise ValueError("flash_ext: block_table: pages in use must index k_cache's pages "
-                                     f"[0, {k_cache.shape[0]})")
-            if cache_batch_idx is not None and bool(((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).any()):
-                raise ValueError(f"flash_ext: cache_batch_idx must index k_cache's batch [0, {k_cache.shape[0]})")
+        # Index values are checked by the append op on the host before it writes anything (no data-dependent
+        # branch here, so a decode step compiles into one graph).  The rotary gathers run first, on clamped
+        # positions: if a position was out of range the op raises and these rotated values are never used.
         pos = seqlens.long()[:, None] + torch.arange(seqlen_new, device=dev)[None, :]   # (b, seqlen_new)
+        local = causal or window_size[0] >= 0 or window_size[1] >= 0
+        rotary_len, rotary_rows = -1, 0
         if rotary_cos is not None:
-            k = apply_rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
-        if paged:
-            pages = block_table.long().gather(1, pos // page_size)
-            k_cache[pages, pos % page_size] = k.to(k_cache.dtype)
-            v_cache[pages, pos % page_size] = v.to(v_cache.dtype)
-        else:
-            batch = (cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev))[:, None]
-            k_cache[batch, pos] = k.to(k_cache.dtype)
-            v_cache[batch, pos] = v.to(v_cache.dtype)
+            rotary_len = rotary_cos.shape[0]
+            rotary_rows = max(seqlen_new, sq if local else 1)
+            k = apply_rotary(k, rotary_cos, rotary_sin, pos.clamp(0, rotary_len - 1), rotary_interleaved)
+        torch.ops.flash_ext.kvcache_append_(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), seqlens,
+                                            cache_batch_idx, block_table, rotary_len, rotary_rows)
         if rotary_cos is not None:
-            local = causal or window_size[0] >= 0 or window_size[1] >= 0
             qpos = seqlens.long()[:, None] + (torch.arange(sq, device=dev)[None, :] if local else 0)
-            q = apply_rotary(q, rotary_cos, rotary_sin, qpos.expand(b, sq), rotary_interleaved)
+            q = apply_rotary(q, rotary_cos, rotary_sin, qpos.expand(b, sq).clamp(0, rotary_len - 1),
+                             rotary_interleaved)
 
     seqlens_k = (seqlens + seqlen_new - leftpad).to(torch.int32)
     q, k_cache_p, v_cache_p, softmax_scale, head_dim = _prepare_qkv(q, k_cache, v_cache, softmax_scale, rank=4)

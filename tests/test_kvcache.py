@@ -139,3 +139,31 @@ def test_kvcache_bad_indices() -> None:
         small = torch.randn(4, 16, 2, 64)
         flash_ext.flash_attn_with_kvcache(q, small, small.clone(), cache_seqlens=4,
                                           block_table=torch.tensor([[0], [1]], dtype=torch.int32))
+
+
+def test_kvcache_bad_append_writes_nothing() -> None:
+    """Every refused append leaves both caches untouched (the op checks all indices before it writes)."""
+    q = torch.randn(2, 1, 2, 64)
+    k_cache = torch.randn(3, 16, 2, 64)
+    v_cache = torch.randn_like(k_cache)
+    new = torch.randn(2, 2, 2, 64)
+    cos, sin = torch.randn(10, 16).cos(), torch.randn(10, 16).sin()
+    kc, vc = k_cache.clone(), v_cache.clone()
+    bad_calls = [
+        ({"cache_seqlens": torch.tensor([3, -1], dtype=torch.int32)}, "cache_seqlens"),   # negative: no wrap-around
+        ({"cache_seqlens": torch.tensor([3, 15], dtype=torch.int32)}, "capacity"),        # 15 + 2 > 16
+        ({"cache_seqlens": 9, "rotary_cos": cos, "rotary_sin": sin}, "rotary"),           # positions 9, 10 of 10
+        ({"cache_seqlens": 2, "cache_batch_idx": torch.tensor([0, 3], dtype=torch.int32)}, "cache_batch_idx"),
+        ({"cache_seqlens": 2, "cache_batch_idx": torch.tensor([0, 1])}, "cache_batch_idx"),  # int64
+        ({"cache_seqlens": 2, "rotary_cos": torch.ones(10, 40), "rotary_sin": torch.zeros(10, 40)}, "rotary_dim"),
+    ]
+    for kwargs, needle in bad_calls:
+        with pytest.raises(ValueError, match=needle):
+            flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, **kwargs)
+        assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), kwargs
+    pages = torch.randn(4, 128, 2, 64)
+    before = pages.clone()
+    with pytest.raises(ValueError, match="block_table"):
+        flash_ext.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, cache_seqlens=127,
+                                          block_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32))
+    assert torch.equal(pages, before)

@@ -184,9 +184,22 @@ def test_opcheck_kvcache(device, paged):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_opcheck_kvcache_append(device, paged):
+    """The append op's schema declares exactly the mutations it does (opcheck's test_schema checks that)."""
+    device = require_device(device)
+    _, k_cache, v_cache, seqlens, *_ = _kvcache_args(device, paged)
+    k, v = (torch.randn(2, 3, 2, 64, dtype=torch.float16, device=device) for _ in range(2))
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=device) if paged else None
+    batch_idx = None if paged else torch.tensor([1, 0], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.flash_ext.kvcache_append_.default,
+                          (k_cache, v_cache, k, v, seqlens, batch_idx, table, -1, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compile_kvcache_decode_step(device):
-    """A decode step (rotary, in-place append, attention) compiled == eager, caches included.  The index
-    checks before the append read values on the host, so that part runs eagerly (a graph break)."""
+    """A decode step (rotary, in-place append, attention) compiles into one graph; compiled == eager,
+    caches included (the append is an op that declares its mutation of k_cache and v_cache)."""
     device = require_device(device)
     b, h, hk, d, cap = 2, 4, 2, 64, 96
     cos, sin = torch.randn(cap, d // 4, device=device).cos(), torch.randn(cap, d // 4, device=device).sin()
@@ -195,7 +208,7 @@ def test_compile_kvcache_decode_step(device):
         return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
                                                  cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
 
-    compiled = torch.compile(step)
+    compiled = torch.compile(step, fullgraph=True)
     q = torch.randn(b, 1, h, d, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(b, 1, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
     k_cache = torch.randn(b, cap, hk, d, dtype=torch.bfloat16, device=device)
