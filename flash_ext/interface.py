@@ -14,14 +14,21 @@ __all__ = [
 ]
 
 
+def _window_size_error(window_size) -> Optional[str]:
+    """The rule window_size breaks, or None: the ops take two ints, so the shape is checked here."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        return f"window_size: got {window_size!r}; must be a pair of ints (left, right), -1 = unbounded"
+    return None
+
+
 def _check_python_args(dropout_p: float, window_size) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"flash_ext: dropout_p={dropout_p}: dropout is not implemented yet (only dropout_p=0.0 is supported)")
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise ValueError(f"flash_ext: window_size: got {window_size!r}; must be a pair of ints (left, right), "
-                         "-1 = unbounded")
+    window_error = _window_size_error(window_size)
+    if window_error:
+        raise ValueError(f"flash_ext: {window_error}")
 
 
 def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], rank: int):

@@ -3,11 +3,11 @@ rotary embeddings at absolute positions, batch-indexed, left-padded or paged cac
 against the cache through ``torch.ops.flash_ext.kvcache_fwd`` (split-KV for decode shapes)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .interface import _check_python_args, _prepare_qkv
+from .interface import _prepare_qkv, _window_size_error
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -28,6 +28,48 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
         rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                     rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+                     cache_seqlens: Optional[Union[int, torch.Tensor]], window_size) -> List[str]:
+    """Every unmet requirement the Python layer can see from shapes and types alone (values are the ops'
+    business, before they write or read anything), as 'argument: got ...; rule' lines."""
+    errors = []
+    window_error = _window_size_error(window_size)
+    if window_error:
+        errors.append(window_error)
+    if q.dim() != 4 or k_cache.dim() != 4:
+        errors.append(f"q/k_cache: got {tuple(q.shape)}/{tuple(k_cache.shape)}; must both be 4-D")
+    if (k is None) != (v is None):
+        errors.append(f"k/v: got {'k' if k is not None else 'v'} alone; must be given together (or neither)")
+    elif k is not None and q.dim() == 4 and k_cache.dim() == 4:
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != k_cache.shape[2:]:
+            errors.append(f"k/v: got {tuple(k.shape)}/{tuple(v.shape)}; must be (batch={q.shape[0]}, seqlen_new, "
+                          f"nheads_k={k_cache.shape[2]}, d={k_cache.shape[3]})")
+    if (rotary_cos is None) != (rotary_sin is None):
+        errors.append("rotary_cos/rotary_sin: got one of them; must be given together (or neither)")
+    elif rotary_cos is not None:
+        if k is None:
+            errors.append("rotary_cos/rotary_sin: given without new k/v; rotary embeddings apply to appended keys "
+                          "(and q) only, so k and v must be given (as in flash_attn)")
+        head_dim = q.shape[-1] if q.dim() >= 1 else 0
+        if not (rotary_cos.dim() == 2 and rotary_sin.shape == rotary_cos.shape and rotary_cos.shape[0] >= 1
+                and 0 < 2 * rotary_cos.shape[1] <= head_dim):
+            errors.append(f"rotary_cos/rotary_sin: got {tuple(rotary_cos.shape)}/{tuple(rotary_sin.shape)}; must "
+                          f"both be (seqlen_ro >= 1, rotary_dim / 2) with 0 < rotary_dim <= head dim {head_dim}")
+    if cache_seqlens is None:
+        if k is not None:
+            errors.append("cache_seqlens: got None with new k/v; appending needs the current cache lengths (an int "
+                          "or an int32 tensor of shape (batch,))")
+    elif not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+        b = q.shape[0] if q.dim() >= 1 else -1
+        if not (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
+                and cache_seqlens.dim() == 1 and cache_seqlens.shape[0] == b):
+            got = (f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}" if isinstance(cache_seqlens, torch.Tensor)
+                   else repr(cache_seqlens))
+            errors.append(f"cache_seqlens: got {got}; must be an int or an int32 tensor of shape ({b},)")
+    return errors
 
 
 def flash_attn_with_kvcache(
@@ -62,6 +104,7 @@ def flash_attn_with_kvcache(
       attention.  With ``rotary_cos``/``rotary_sin`` ((seqlen_ro, rotary_dim / 2)), k is rotated at those
       absolute positions, and q at ``cache_seqlens[i] + j`` when causal or local, else at
       ``cache_seqlens[i]`` for every query row (``rotary_interleaved``: GPT-J style, else GPT-NeoX).
+      Rotary tables without new k/v are an error, as in flash_attn.
     * Keys visible to entry i: rows ``[cache_leftpad[i], cache_seqlens[i] + seqlen_new)``; causal/local
       masks are bottom-right aligned to them.  Other arguments as in ``flash_attn_func``.
 
@@ -71,44 +114,25 @@ def flash_attn_with_kvcache(
     out-of-bounds access.  The whole function compiles into one graph under ``torch.compile``.  Returns
     ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
     """
-    _check_python_args(0.0, window_size)
-    if (k is None) != (v is None):
-        raise ValueError("flash_ext: k and v must be given together (or neither)")
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("flash_ext: rotary_cos and rotary_sin must be given together (or neither)")
-    if q.dim() != 4 or k_cache.dim() != 4:
-        raise ValueError(f"flash_ext: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} must both be 4-D")
-    if rotary_cos is not None:
-        shape_ok = (rotary_cos.dim() == 2 and rotary_sin.shape == rotary_cos.shape and rotary_cos.shape[0] >= 1
-                    and 0 < 2 * rotary_cos.shape[1] <= q.shape[-1])
-        if not shape_ok:
-            raise ValueError(f"flash_ext: rotary_cos/rotary_sin: got {tuple(rotary_cos.shape)}/"
-                             f"{tuple(rotary_sin.shape)}; must both be (seqlen_ro >= 1, rotary_dim / 2) with "
-                             f"0 < rotary_dim <= head dim {q.shape[-1]}")
+    errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size)
+    if errors:
+        raise ValueError(f"flash_ext.flash_attn_with_kvcache: {len(errors)} invalid argument"
+                         f"{'s' if len(errors) > 1 else ''}:" + "".join(f"\n  - {e}" for e in errors))
     b, sq = q.shape[0], q.shape[1]
     dev = q.device
     paged = block_table is not None
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged and block_table.dim() == 2 else k_cache.shape[1]
     if cache_seqlens is None:
-        if k is not None:
-            raise ValueError("flash_ext: cache_seqlens: got None with new k/v; appending needs the current cache "
-                             "lengths (an int or an int32 tensor of shape (batch,))")
         seqlens = torch.full((b,), capacity, dtype=torch.int32, device=dev)
     elif isinstance(cache_seqlens, int):
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
     else:
         seqlens = cache_seqlens
-        if seqlens.dtype != torch.int32 or seqlens.dim() != 1 or seqlens.shape[0] != b:
-            raise ValueError(f"flash_ext: cache_seqlens: got {seqlens.dtype} {tuple(seqlens.shape)}; must be an int "
-                             f"or an int32 tensor of shape ({b},)")
     leftpad = cache_leftpad if cache_leftpad is not None else torch.zeros(b, dtype=torch.int32, device=dev)
     seqlen_new = 0 if k is None else k.shape[1]
 
     if k is not None:
-        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
-            raise ValueError(f"flash_ext: k/v: got {tuple(k.shape)}/{tuple(v.shape)}; must be (batch={b}, seqlen_new, "
-                             f"nheads_k={k_cache.shape[2]}, d={k_cache.shape[3]})")
         # Index values are checked by the append op on the host before it writes anything (no data-dependent
         # branch here, so a decode step compiles into one graph).  The rotary gathers run first, on clamped
         # positions: if a position was out of range the op raises and these rotated values are never used.

@@ -167,3 +167,21 @@ def test_kvcache_bad_append_writes_nothing() -> None:
         flash_ext.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, cache_seqlens=127,
                                           block_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32))
     assert torch.equal(pages, before)
+
+
+def test_kvcache_python_errors_listed_at_once() -> None:
+    """Shape/type problems the Python layer sees are reported together, each naming its argument."""
+    q = torch.randn(2, 1, 2, 64)
+    k_cache = torch.randn(2, 16, 2, 64)
+    cos = torch.randn(16, 16)
+    with pytest.raises(ValueError) as info:
+        flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k=torch.randn(2, 1, 2, 64),
+                                          rotary_cos=cos, cache_seqlens=torch.tensor([1, 2]), window_size=(3,))
+    msg = str(info.value)
+    assert "4 invalid arguments" in msg
+    for needle in ("window_size", "k/v", "rotary_cos/rotary_sin", "cache_seqlens"):
+        assert needle in msg, (needle, msg)
+    # Rotary tables without new keys: flash_attn refuses them; so do we (rather than ignore them).
+    with pytest.raises(ValueError, match="without new k/v"):
+        flash_ext.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), rotary_cos=cos, rotary_sin=cos,
+                                          cache_seqlens=3)
