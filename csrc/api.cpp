@@ -84,14 +84,19 @@ bool aligned16(at::Tensor const& t) {
 
 // Shapes: fixed-length q (b, sq, h, d), k/v (b, sk, hk, d); varlen q (total_q, h, d), k/v (total_k, hk, d).
 // Returns false if the ranks are wrong (later shape checks would be meaningless).
+// kv_cache: k/v are (batch_cache or num_pages, rows, heads_k, head_dim), not indexed by q's batch.
+// paged_varlen: varlen q with k/v as pages (num_pages, page_size, heads_k, head_dim).
 bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen,
-               bool kv_cache = false) {
+               bool kv_cache = false, bool paged_varlen = false) {
   int64_t const rank = varlen ? 3 : 4;
+  int64_t const kv_rank = varlen && !paged_varlen ? 3 : 4;
   std::string const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
-  std::string const kv_rule = varlen ? "must be (total_k, heads_k, head_dim)" : "must be (batch, seqlen_k, heads_k, head_dim)";
+  std::string const kv_rule = paged_varlen ? "must be (num_pages, page_size, heads_k, head_dim) with block_table"
+                              : varlen     ? "must be (total_k, heads_k, head_dim)"
+                                           : "must be (batch, seqlen_k, heads_k, head_dim)";
   c.require(q.dim() == rank, "q", std::to_string(q.dim()) + " dims " + str(q.sizes()), q_rule);
-  c.require(k.dim() == rank, "k", std::to_string(k.dim()) + " dims " + str(k.sizes()), kv_rule);
-  c.require(v.dim() == rank, "v", std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
+  c.require(k.dim() == kv_rank, "k", std::to_string(k.dim()) + " dims " + str(k.sizes()), kv_rule);
+  c.require(v.dim() == kv_rank, "v", std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
   auto const dt = q.scalar_type();
   bool const dtype_ok = dt == at::kHalf || dt == at::kBFloat16 || (dt == at::kFloat && q.device().is_cpu());
   c.require(dtype_ok, "q.dtype", str(dt), q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
@@ -105,7 +110,7 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
                 "the last dimension must be contiguous");
     }
   }
-  bool const ranks_ok = q.dim() == rank && k.dim() == rank && v.dim() == rank;
+  bool const ranks_ok = q.dim() == rank && k.dim() == kv_rank && v.dim() == kv_rank;
   if (!ranks_ok) { return false; }
   int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
   c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
@@ -142,18 +147,20 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
   }
 }
 
-// Tensor layouts into params; q/k/v/out are 4-D (fixed length) or 3-D (varlen: no batch stride).
+// Tensor layouts into params; q/k/v/out are 4-D (fixed length) or 3-D (varlen: no batch stride).  Paged
+// k/v are 4-D under a 3-D varlen q: their "batch" stride is the page stride.
 void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
-  int const r = int(q.dim()) - 3;  // index of the row (sequence) dimension
+  int const r = int(q.dim()) - 3;   // index of q's row (sequence) dimension
+  int const rk = int(k.dim()) - 3;  // and of k's and v's
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
   p.v_ptr = v.data_ptr();
   p.q_batch_stride = r ? q.stride(0) : 0, p.q_row_stride = q.stride(r), p.q_head_stride = q.stride(r + 1);
-  p.k_batch_stride = r ? k.stride(0) : 0, p.k_row_stride = k.stride(r), p.k_head_stride = k.stride(r + 1);
-  p.v_batch_stride = r ? v.stride(0) : 0, p.v_row_stride = v.stride(r), p.v_head_stride = v.stride(r + 1);
+  p.k_batch_stride = rk ? k.stride(0) : 0, p.k_row_stride = k.stride(rk), p.k_head_stride = k.stride(rk + 1);
+  p.v_batch_stride = rk ? v.stride(0) : 0, p.v_row_stride = v.stride(rk), p.v_head_stride = v.stride(rk + 1);
   p.h = int(q.size(r + 1));
   p.d = int(q.size(r + 2));
-  p.h_k = int(k.size(r + 1));
+  p.h_k = int(k.size(rk + 1));
   p.h_h_k_ratio = p.h / p.h_k;
 }
 
@@ -447,9 +454,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
                                               std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k, double softmax_scale, bool causal,
                                               int64_t window_left, int64_t window_right, double softcap,
-                                              std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+                                              std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits,
+                                              std::optional<at::Tensor> const& block_table) {
   ArgChecker c("flash_ext.varlen_fwd");
-  bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true);
+  bool const paged = block_table.has_value();
+  bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true, /*kv_cache=*/false, /*paged_varlen=*/paged);
   bool cu_ok = true;
   for (auto const& [name, t] : {std::pair{"cu_seqlens_q", &cu_seqlens_q}, std::pair{"cu_seqlens_k", &cu_seqlens_k}}) {
     bool const ok = t->dim() == 1 && t->numel() >= 1 && t->scalar_type() == at::kInt && t->device() == q.device();
@@ -470,6 +479,23 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
     c.require(used_ok, "seqused_k", str(s.scalar_type()) + " " + str(s.sizes()) + " on " + str(s.device()),
               "must be a 1-D int32 tensor of length batch (" + std::to_string(b) + ") on q's device");
   }
+  // Paged K/V (flash_attn's varlen + block_table): sequence i's keys are rows [0, its length) of the pages
+  // block_table[i, :]; cu_seqlens_k still gives the lengths.  Pages are whole multiples of every tile's N,
+  // so a K/V tile never straddles two pages.
+  bool table_ok = true;
+  int64_t page_size = 0, capacity = 0;
+  if (paged) {
+    auto const& t = *block_table;
+    table_ok = t.dim() == 2 && t.size(0) == b && t.scalar_type() == at::kInt && t.device() == q.device();
+    c.require(table_ok, "block_table", str(t.scalar_type()) + " " + str(t.sizes()) + " on " + str(t.device()),
+              "must be a 2-D int32 tensor (batch = " + std::to_string(b) + ", max_pages) on q's device");
+    if (shapes_ok) {
+      page_size = k.size(1);
+      c.require(page_size > 0 && page_size % 128 == 0, "k.shape[1] (page size)", std::to_string(page_size),
+                "must be a positive multiple of 128 with block_table");
+      capacity = table_ok ? t.size(1) * page_size : 0;
+    }
+  }
   c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
   c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap,
@@ -478,9 +504,30 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
     char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
     return e != nullptr && std::string(e) == "1";
   }();
-  if (shapes_ok && cu_ok && (q.device().is_cpu() || !trust)) {
+  if (shapes_ok && cu_ok && table_ok && (q.device().is_cpu() || !trust)) {
     check_cu_seqlens_values(c, cu_seqlens_q, "cu_seqlens_q", q.size(0), /*total_exact=*/true, max_seqlen_q, "max_seqlen_q");
-    check_cu_seqlens_values(c, cu_seqlens_k, "cu_seqlens_k", k.size(0), /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
+    // Paged: the keys are not rows of k, so only the per-sequence bounds below limit cu_seqlens_k.
+    int64_t const k_rows = paged ? std::max<int64_t>(b * capacity, 0) : k.size(0);
+    check_cu_seqlens_values(c, cu_seqlens_k, "cu_seqlens_k", k_rows, /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
+    if (paged && page_size > 0) {
+      at::Tensor cu = cu_seqlens_k.to(at::kCPU).contiguous(), table = block_table->to(at::kCPU).contiguous();
+      int64_t too_long = -1, bad_page = -1;
+      for (int64_t i = 0; i < b; ++i) {
+        int64_t const len = std::max<int64_t>(int64_t(cu.data_ptr<int>()[i + 1]) - cu.data_ptr<int>()[i], 0);
+        if (len > capacity) {
+          if (too_long < 0) { too_long = i; }
+          continue;
+        }
+        for (int64_t j = 0; j < (len + page_size - 1) / page_size && bad_page < 0; ++j) {
+          int const page = table.data_ptr<int>()[i * table.size(1) + j];
+          if (page < 0 || page >= k.size(0)) { bad_page = i; }
+        }
+      }
+      c.require(too_long < 0, "cu_seqlens_k", "sequence " + std::to_string(too_long) + " longer than its pages",
+                "each sequence must fit block_table.shape[1] x page size = " + std::to_string(capacity) + " keys");
+      c.require(bad_page < 0, "block_table", "an entry of batch row " + std::to_string(bad_page),
+                "pages in use must index k's pages [0, " + std::to_string(k.size(0)) + ")");
+    }
     if (seqused_k.has_value() && used_ok) {
       at::Tensor used = seqused_k->to(at::kCPU).contiguous(), cu = cu_seqlens_k.to(at::kCPU).contiguous();
       int64_t bad = -1;
@@ -509,6 +556,13 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   p.cu_seqlens_q = cu_q.data_ptr<int>();
   p.cu_seqlens_k = cu_k.data_ptr<int>();
   p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
+  std::optional<at::Tensor> table;
+  if (paged) {
+    table = block_table->contiguous();
+    p.block_table = table->data_ptr<int>();
+    p.block_table_batch_stride = table->stride(0);
+    p.page_size = int(page_size);
+  }
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
   auto const accum = set_splits(p, in.q, num_splits, total_q);
   launch(p, q, "flash_ext.varlen_fwd");
@@ -794,7 +848,8 @@ TORCH_LIBRARY(flash_ext, m) {
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+      "float softcap, Tensor? alibi_slopes, int num_splits=0, Tensor? block_table=None) -> (Tensor out, "
+      "Tensor softmax_lse)");
   m.def(
       "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, int window_left, "

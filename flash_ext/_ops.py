@@ -25,10 +25,10 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 
 @torch.library.register_fake("flash_ext::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, window_left, window_right, softcap, alibi_slopes, num_splits=0):
+                     causal, window_left, window_right, softcap, alibi_slopes, num_splits=0, block_table=None):
     _check_same_device("varlen_fwd", {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                                       "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
-                                      "alibi_slopes": alibi_slopes})
+                                      "alibi_slopes": alibi_slopes, "block_table": block_table})
     total_q, h, d = q.shape
     return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
 

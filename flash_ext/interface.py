@@ -31,15 +31,18 @@ def _check_python_args(dropout_p: float, window_size) -> None:
         raise ValueError(f"flash_ext: {window_error}")
 
 
-def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], rank: int):
+def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], rank: int,
+                 kv_rank: Optional[int] = None):
     """Default scale from the caller's head dim, then zero-padding of the head dim to a multiple of 8 (the
     kernels' vector width; zeros change no dot product).  Inputs the op will reject pass through untouched so
-    its error names what the caller gave.  Returns ``(q, k, v, softmax_scale, head_dim)``."""
+    its error names what the caller gave.  ``kv_rank``: k/v's rank when it differs from q's (paged K/V under
+    a varlen q).  Returns ``(q, k, v, softmax_scale, head_dim)``."""
+    kv_rank = rank if kv_rank is None else kv_rank
     head_dim = q.shape[-1] if q.dim() >= 1 else 0
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
     padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
-    if (padded != head_dim and q.dim() == rank and k.dim() == rank and v.dim() == rank
+    if (padded != head_dim and q.dim() == rank and k.dim() == kv_rank and v.dim() == kv_rank
             and k.shape[-1] == head_dim and v.shape[-1] == head_dim):
         q, k, v = (F.pad(t, [0, padded - head_dim]) for t in (q, k, v))
     return q, k, v, float(softmax_scale), head_dim
@@ -165,15 +168,17 @@ def flash_attn_varlen_func(
 
     The cu_seqlens values are validated (on CUDA this costs one device-to-host copy of them); set
     ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip that when they are known to be valid.  ``num_splits`` as in
-    ``flash_attn_func``.  ``block_table`` (paged KV) is not implemented yet.
+    ``flash_attn_func``.  ``block_table`` (int32, (batch, max_pages)): paged K/V, k/v then being
+    ``(num_pages, page_size, nheads_k, headdim)`` with page_size a multiple of 128; sequence ``i``'s keys
+    are its first ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` rows across pages ``block_table[i, :]``.
     """
     _check_python_args(dropout_p, window_size)
-    if block_table is not None:
-        raise NotImplementedError("flash_ext: block_table (paged KV) is not implemented yet")
-    q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3)
+    q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3,
+                                                    kv_rank=4 if block_table is not None else 3)
     out, lse = torch.ops.flash_ext.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
-        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
+        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
+        block_table)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out

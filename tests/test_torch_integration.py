@@ -233,3 +233,13 @@ def test_compile_fullgraph_kvcache_read_only(device):
 
     out = torch.compile(f, fullgraph=True)(q, k_cache, v_cache, seqlens_k, block_table)
     assert torch.equal(out, f(q, k_cache, v_cache, seqlens_k, block_table))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_varlen_paged(device):
+    device = require_device(device)
+    q, k, v, cu_q, cu_k, used, max_q, max_k, *rest = _varlen_args(device, seqused=False)
+    pages = torch.randn(5, 128, 2, 64, dtype=torch.bfloat16, device=device)
+    table = torch.tensor([[4], [0], [2]], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.flash_ext.varlen_fwd.default,
+                          (q, pages, pages.clone(), cu_q, cu_k, used, max_q, max_k, *rest, 0, table))

@@ -129,3 +129,68 @@ def test_varlen_bad_input_lists_everything_at_once() -> None:
                   window_size=(-5, 0))
     msg = str(err.value)
     assert "non-decreasing" in msg and "max_seqlen_k" in msg and "window_size[0]" in msg, msg
+
+
+def _paged_copy(k: torch.Tensor, cu_k: torch.Tensor, page_size: int, max_pages: int, seed: int = 0):
+    """k (total_k, hk, d) -> (pages (num_pages, page_size, hk, d), block_table (b, max_pages)): each sequence's
+    rows scattered over randomly chosen pages, the unused page rows filled with NaN (never read)."""
+    b = cu_k.numel() - 1
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = b * max_pages + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    table = perm[: b * max_pages].reshape(b, max_pages).to(torch.int32)
+    pages = torch.full((num_pages, page_size) + tuple(k.shape[1:]), float("nan"), dtype=k.dtype)
+    for i in range(b):
+        seq = k[cu_k[i]:cu_k[i + 1]].cpu()
+        for j in range(0, seq.shape[0], page_size):
+            part = seq[j:j + page_size]
+            pages[table[i, j // page_size], :part.shape[0]] = part
+    return pages.to(k.device), table.to(k.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [64, 40])
+def test_varlen_paged_kv_equals_contiguous(device: str, d: int) -> None:
+    """flash_attn_varlen_func with block_table: the same keys in scattered pages give the same bits as the
+    packed layout (and that one matches the reference); NaN page padding proves unused rows are not read."""
+    _skip(device)
+    lens_q, lens_k = [3, 0, 129, 1], [300, 7, 200, 0]
+    cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+    q = torch.randn(sum(lens_q), 6, d, dtype=torch.bfloat16, device=device)
+    k = torch.randn(sum(lens_k), 2, d, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    k_pages, table = _paged_copy(k, cu_k, 128, 3)
+    v_pages, _ = _paged_copy(v, cu_k, 128, 3)
+    kw = dict(causal=True, window_size=(100, -1), return_attn_probs=True)
+    out_c, lse_c, _ = flash_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 129, 300, **kw)
+    out_p, lse_p, _ = flash_ext.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 129, 300,
+                                                       block_table=table, **kw)
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+    for i in (0, 2):
+        check_close(out_p[cu_q[i]:cu_q[i + 1]][None], lse_p[:, cu_q[i]:cu_q[i + 1]][None],
+                    q[cu_q[i]:cu_q[i + 1]][None], k[cu_k[i]:cu_k[i + 1]][None], v[cu_k[i]:cu_k[i + 1]][None],
+                    causal=True, window_size=(100, -1), context=f"paged sequence {i}")
+
+
+def test_varlen_paged_bad_input() -> None:
+    cu_q, cu_k = _cu([2, 3], "cpu"), _cu([130, 40], "cpu")
+    q = torch.randn(5, 2, 64)
+    pages = torch.randn(4, 128, 2, 64)
+    good = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+
+    def call(k=pages, table=good, cu=cu_k, max_k=130):
+        return flash_ext.flash_attn_varlen_func(q, k, k, cu_q, cu, 3, max_k, block_table=table)
+
+    call()  # valid
+    with pytest.raises(ValueError, match="page size"):
+        call(k=torch.randn(8, 64, 2, 64))
+    with pytest.raises(ValueError, match="block_table"):
+        call(table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32))   # page 9 of 4, in use (130 keys)
+    with pytest.raises(ValueError, match="block_table"):
+        call(table=good.long())
+    with pytest.raises(ValueError, match="longer than its pages"):
+        call(cu=_cu([300, 40], "cpu"), max_k=300)                        # 300 keys > 2 pages x 128
+    with pytest.raises(ValueError, match=r"k: got 3 dims"):
+        call(k=torch.randn(170, 2, 64))
+    # A page past the ones in use may hold anything (here an invalid index): it is never read.
+    call(table=torch.tensor([[0, 1], [2, -5]], dtype=torch.int32))
