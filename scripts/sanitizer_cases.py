@@ -53,7 +53,8 @@ def kvcache_case(device: str) -> float:
 
 
 def varlen_case(device: str) -> float:
-    """Three sequences (one empty), causal, GQA: per-sequence offsets and the empty-sequence early exit."""
+    """Three sequences (one empty), causal, GQA: per-sequence offsets and the empty-sequence early exit;
+    then the same keys as pages (block_table), which must reproduce the packed result exactly."""
     lens_q, lens_k = [70, 0, 129], [33, 5, 300]
     cu_q = torch.tensor([0, 70, 70, 199], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 33, 38, 338], dtype=torch.int32, device=device)
@@ -61,8 +62,20 @@ def varlen_case(device: str) -> float:
     k = torch.randn(338, 2, 64, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     out = flash_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    # The same keys in pages of 128 rows (sequence i in pages 3i, 3i + 1, 3i + 2): must give the same bits.
+    table = torch.arange(9, dtype=torch.int32, device=device).reshape(3, 3)
+    k_pages = torch.zeros(9, 128, 2, 64, device=device, dtype=torch.bfloat16)
+    v_pages = torch.zeros_like(k_pages)
+    for i in range(3):
+        n = lens_k[i]
+        k_pages.view(3, 384, 2, 64)[i, :n] = k[cu_k[i]:cu_k[i + 1]]
+        v_pages.view(3, 384, 2, 64)[i, :n] = v[cu_k[i]:cu_k[i + 1]]
+    out_paged = flash_ext.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                 causal=True, block_table=table)
     if device == "cuda":
         torch.cuda.synchronize()
+    if not torch.equal(out_paged, out):
+        return float("inf")
     err = 0.0
     for i in range(3):
         if lens_q[i] == 0:
