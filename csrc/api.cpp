@@ -13,6 +13,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(FLASH_EXT_WITH_CUDA)
@@ -427,9 +428,61 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   return {out, lse};
 }
 
-// cu_seqlens values are checked on the CPU: a host copy of b + 1 integers when they live on the GPU (one
-// synchronisation).  FLASH_EXT_TRUST_CU_SEQLENS=1 skips that on CUDA for callers that guarantee valid
-// values; invalid values are then undefined behaviour, as in flash_attn.
+// Index values (cu_seqlens, cache lengths, batch indices, pages) are checked on the CPU: a host copy when
+// they live on the GPU (one synchronisation).  FLASH_EXT_TRUST_CU_SEQLENS=1 skips that on CUDA for callers
+// that guarantee valid values; invalid values are then undefined behaviour, as in flash_attn.
+bool check_index_values(at::Device device) {
+  static bool const trust = [] {
+    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  return device.is_cpu() || !trust;
+}
+
+// An optional int32 index tensor with `rank` dims and `batch` rows (batch < 0: unknown yet) on `device`.
+bool check_index_tensor(ArgChecker& c, std::optional<at::Tensor> const& t, char const* name, int64_t rank,
+                        int64_t batch, at::Device device, char const* device_owner) {
+  if (!t.has_value()) { return true; }
+  bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == device &&
+                  (batch < 0 || t->size(0) == batch);
+  c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+            "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(batch) +
+                ") rows on " + device_owner + "'s device");
+  return ok;
+}
+
+// Every value of the 1-D int32 index tensor `idx` must lie in [0, upper).
+void check_index_range(ArgChecker& c, at::Tensor const& idx, char const* name, int64_t upper, std::string const& what) {
+  at::Tensor host = idx.to(at::kCPU).contiguous();
+  int64_t bad = -1;
+  for (int64_t i = 0; i < host.numel() && bad < 0; ++i) {
+    int const x = host.data_ptr<int>()[i];
+    if (x < 0 || x >= upper) { bad = i; }
+  }
+  c.require(bad < 0, name, "value at index " + std::to_string(bad),
+            "must index " + what + " [0, " + std::to_string(upper) + ")");
+}
+
+// Rows [rows(i).first, rows(i).second) of batch entry i live in pages block_table[i, row / page_size]; each
+// such page must be one of the num_pages pages.  Rows past the table's width are someone else's error.
+template <class Rows>
+void check_pages(ArgChecker& c, at::Tensor const& block_table, int64_t batch, int64_t page_size, int64_t num_pages,
+                 char const* which, std::string const& pages_of, Rows rows) {
+  at::Tensor table = block_table.to(at::kCPU).contiguous();
+  int64_t const width = table.size(1);
+  int64_t bad = -1;
+  for (int64_t i = 0; i < batch && bad < 0; ++i) {
+    auto const [begin, end] = rows(i);
+    for (int64_t j = std::max<int64_t>(begin, 0) / page_size; j < std::min(width, (end + page_size - 1) / page_size); ++j) {
+      int const page = table.data_ptr<int>()[i * width + j];
+      if (page < 0 || page >= num_pages) { bad = i; }
+    }
+  }
+  c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
+            std::string(which) + " must index " + pages_of + " pages [0, " + std::to_string(num_pages) + ")");
+}
+
+// cu_seqlens: starts at 0, never decreases, ends at (or within) `total` rows, longest <= max_seqlen.
 void check_cu_seqlens_values(ArgChecker& c, at::Tensor const& cu, char const* name, int64_t total, bool total_exact,
                              int64_t max_seqlen, char const* max_name) {
   at::Tensor host = cu.to(at::kCPU).contiguous();
@@ -500,33 +553,22 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap,
                 alibi_slopes, num_splits);
-  static bool const trust = [] {
-    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
-    return e != nullptr && std::string(e) == "1";
-  }();
-  if (shapes_ok && cu_ok && table_ok && (q.device().is_cpu() || !trust)) {
+  if (shapes_ok && cu_ok && table_ok && check_index_values(q.device())) {
     check_cu_seqlens_values(c, cu_seqlens_q, "cu_seqlens_q", q.size(0), /*total_exact=*/true, max_seqlen_q, "max_seqlen_q");
     // Paged: the keys are not rows of k, so only the per-sequence bounds below limit cu_seqlens_k.
     int64_t const k_rows = paged ? std::max<int64_t>(b * capacity, 0) : k.size(0);
     check_cu_seqlens_values(c, cu_seqlens_k, "cu_seqlens_k", k_rows, /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
     if (paged && page_size > 0) {
-      at::Tensor cu = cu_seqlens_k.to(at::kCPU).contiguous(), table = block_table->to(at::kCPU).contiguous();
-      int64_t too_long = -1, bad_page = -1;
-      for (int64_t i = 0; i < b; ++i) {
-        int64_t const len = std::max<int64_t>(int64_t(cu.data_ptr<int>()[i + 1]) - cu.data_ptr<int>()[i], 0);
-        if (len > capacity) {
-          if (too_long < 0) { too_long = i; }
-          continue;
-        }
-        for (int64_t j = 0; j < (len + page_size - 1) / page_size && bad_page < 0; ++j) {
-          int const page = table.data_ptr<int>()[i * table.size(1) + j];
-          if (page < 0 || page >= k.size(0)) { bad_page = i; }
-        }
+      at::Tensor cu = cu_seqlens_k.to(at::kCPU).contiguous();
+      auto const keys = [&](int64_t i) { return int64_t(cu.data_ptr<int>()[i + 1]) - cu.data_ptr<int>()[i]; };
+      int64_t too_long = -1;
+      for (int64_t i = 0; i < b && too_long < 0; ++i) {
+        if (keys(i) > capacity) { too_long = i; }
       }
       c.require(too_long < 0, "cu_seqlens_k", "sequence " + std::to_string(too_long) + " longer than its pages",
                 "each sequence must fit block_table.shape[1] x page size = " + std::to_string(capacity) + " keys");
-      c.require(bad_page < 0, "block_table", "an entry of batch row " + std::to_string(bad_page),
-                "pages in use must index k's pages [0, " + std::to_string(k.size(0)) + ")");
+      check_pages(c, *block_table, b, page_size, k.size(0), "pages in use", "k's",
+                  [&](int64_t i) { return std::pair<int64_t, int64_t>{0, keys(i)}; });
     }
     if (seqused_k.has_value() && used_ok) {
       at::Tensor used = seqused_k->to(at::kCPU).contiguous(), cu = cu_seqlens_k.to(at::kCPU).contiguous();
@@ -585,16 +627,11 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor c
   check_options(c, q, b, shapes_ok ? q.size(2) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
                 num_splits);
   auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
-    if (!t.has_value()) { return true; }
-    bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == q.device() &&
-                    (b < 0 || t->size(0) == b);
-    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
-              "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(b) +
-                  ") rows on q's device");
-    return ok;
+    return check_index_tensor(c, t, name, rank, b, q.device(), "q");
   };
-  bool idx_ok = index_ok(seqlens_k, "seqlens_k", 1) && index_ok(kv_batch_idx, "cache_batch_idx", 1) &&
-                index_ok(leftpad_k, "cache_leftpad", 1) && index_ok(block_table, "block_table", 2);
+  // & rather than &&: every malformed index tensor is reported, not just the first.
+  bool const idx_ok = index_ok(seqlens_k, "seqlens_k", 1) & index_ok(kv_batch_idx, "cache_batch_idx", 1) &
+                      index_ok(leftpad_k, "cache_leftpad", 1) & index_ok(block_table, "block_table", 2);
   bool const paged = block_table.has_value();
   int64_t page_size = 0, capacity = 0;
   if (shapes_ok) {
@@ -609,11 +646,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor c
                 "paged KV selects pages through block_table; cache_batch_idx must be None");
     }
   }
-  static bool const trust = [] {
-    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
-    return e != nullptr && std::string(e) == "1";
-  }();
-  if (shapes_ok && idx_ok && (q.device().is_cpu() || !trust)) {
+  if (shapes_ok && idx_ok && check_index_values(q.device())) {
     at::Tensor len = seqlens_k.to(at::kCPU).contiguous();
     at::Tensor pad = leftpad_k.has_value() ? leftpad_k->to(at::kCPU).contiguous() : at::zeros({b}, len.options());
     int64_t bad_len = -1;
@@ -625,27 +658,11 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(at::Tensor const& q, at::Tensor c
               "need 0 <= cache_leftpad <= cache_seqlens and cache_seqlens (+ new keys) <= cache capacity " +
                   std::to_string(capacity));
     if (kv_batch_idx.has_value()) {
-      at::Tensor idx = kv_batch_idx->to(at::kCPU).contiguous();
-      int64_t bad = -1;
-      for (int64_t i = 0; i < b && bad < 0; ++i) {
-        int const x = idx.data_ptr<int>()[i];
-        if (x < 0 || x >= k_cache.size(0)) { bad = i; }
-      }
-      c.require(bad < 0, "cache_batch_idx", "value at index " + std::to_string(bad),
-                "must index k_cache's batch dimension [0, " + std::to_string(k_cache.size(0)) + ")");
+      check_index_range(c, *kv_batch_idx, "cache_batch_idx", k_cache.size(0), "k_cache's batch dimension");
     }
     if (paged) {
-      at::Tensor table = block_table->to(at::kCPU).contiguous();
-      int64_t bad = -1;
-      for (int64_t i = 0; i < b && bad < 0; ++i) {
-        int64_t const used_pages = (int64_t(len.data_ptr<int>()[i]) + page_size - 1) / page_size;
-        for (int64_t j = 0; j < used_pages; ++j) {
-          int const page = table.data_ptr<int>()[i * table.size(1) + j];
-          if (page < 0 || page >= k_cache.size(0)) { bad = i; }
-        }
-      }
-      c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
-                "pages in use must index k_cache's pages [0, " + std::to_string(k_cache.size(0)) + ")");
+      check_pages(c, *block_table, b, page_size, k_cache.size(0), "pages in use", "k_cache's",
+                  [&](int64_t i) { return std::pair<int64_t, int64_t>{0, len.data_ptr<int>()[i]}; });
     }
   }
   c.raise_if_any();
@@ -711,28 +728,18 @@ void kvcache_append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& 
   c.require(same_device, "k/v/v_cache", "tensors on different devices", "must be on k_cache's device");
   int64_t const b = new_ok ? k.size(0) : -1;
   auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
-    if (!t.has_value()) { return true; }
-    bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == k_cache.device() &&
-                    (b < 0 || t->size(0) == b);
-    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
-              "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(b) +
-                  ") rows on k_cache's device");
-    return ok;
+    return check_index_tensor(c, t, name, rank, b, k_cache.device(), "k_cache");
   };
-  bool const idx_ok = index_ok(cache_seqlens, "cache_seqlens", 1) && index_ok(cache_batch_idx, "cache_batch_idx", 1) &&
+  bool const idx_ok = index_ok(cache_seqlens, "cache_seqlens", 1) & index_ok(cache_batch_idx, "cache_batch_idx", 1) &
                       index_ok(block_table, "block_table", 2);
   bool const paged = block_table.has_value();
   if (paged) {
     c.require(!cache_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
               "paged KV selects pages through block_table; cache_batch_idx must be None");
   }
-  static bool const trust = [] {
-    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
-    return e != nullptr && std::string(e) == "1";
-  }();
   int64_t const page_size = caches_ok && paged ? k_cache.size(1) : 0;
   int64_t const seqlen_new = new_ok ? k.size(1) : 0;
-  if (caches_ok && new_ok && idx_ok && (k_cache.device().is_cpu() || !trust)) {
+  if (caches_ok && new_ok && idx_ok && check_index_values(k_cache.device())) {
     int64_t const capacity = paged ? block_table->size(1) * page_size : k_cache.size(1);
     at::Tensor len = cache_seqlens.to(at::kCPU).contiguous();
     int64_t bad_len = -1, bad_rotary = -1;
@@ -748,29 +755,14 @@ void kvcache_append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& 
               "must cover positions cache_seqlens + [0, " + std::to_string(rotary_rows) + ") (batch entry " +
                   std::to_string(bad_rotary) + " goes past them)");
     if (cache_batch_idx.has_value()) {
-      at::Tensor idx = cache_batch_idx->to(at::kCPU).contiguous();
-      int64_t bad = -1;
-      for (int64_t i = 0; i < b && bad < 0; ++i) {
-        int const x = idx.data_ptr<int>()[i];
-        if (x < 0 || x >= k_cache.size(0)) { bad = i; }
-      }
-      c.require(bad < 0, "cache_batch_idx", "value at index " + std::to_string(bad),
-                "must index k_cache's batch dimension [0, " + std::to_string(k_cache.size(0)) + ")");
+      check_index_range(c, *cache_batch_idx, "cache_batch_idx", k_cache.size(0), "k_cache's batch dimension");
     }
     if (paged && bad_len < 0) {
-      at::Tensor table = block_table->to(at::kCPU).contiguous();
-      int64_t bad = -1;
-      for (int64_t i = 0; i < b && bad < 0; ++i) {
-        int64_t const first = len.data_ptr<int>()[i] / page_size;
-        int64_t const end = (int64_t(len.data_ptr<int>()[i]) + seqlen_new + page_size - 1) / page_size;
-        for (int64_t j = first; j < end; ++j) {
-          int const page = table.data_ptr<int>()[i * table.size(1) + j];
-          if (page < 0 || page >= k_cache.size(0)) { bad = i; }
-        }
-      }
-      c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
-                "the pages the new rows go to must index k_cache's pages [0, " + std::to_string(k_cache.size(0)) +
-                    ")");
+      check_pages(c, *block_table, b, page_size, k_cache.size(0), "the pages the new rows go to", "k_cache's",
+                  [&](int64_t i) {
+                    int64_t const start = len.data_ptr<int>()[i];
+                    return std::pair<int64_t, int64_t>{start, start + seqlen_new};
+                  });
     }
   }
   c.raise_if_any();
