@@ -3,6 +3,8 @@
 Knobs (environment variables):
   FLASH_EXT_CUDA_ARCHS      CUDA archs to compile, ";"-separated (default "80;90").
   FLASH_EXT_HEADDIMS        GPU head dims to instantiate, ","-separated subset of 32,64,96,128,192,256 (default all).
+  FLASH_EXT_HOST_HEADDIMS   CPU-backend head dims to instantiate, same form (default all); a problem runs the
+                            smallest compiled head dim >= its own, so "256" alone serves every head dim.
   FLASH_EXT_FORCE_CPU_ONLY  "1": build only the CPU backend even when torch and nvcc have CUDA.
   FLASH_EXT_CPU_ARCH        -march value for the CPU backend (default "native"; "" for the compiler's default).
   FLASH_EXT_PTXAS_VERBOSE   "1": pass -Xptxas=-v (register/spill report per kernel, read by scripts/kernel_report.py).
@@ -53,15 +55,20 @@ def include_dirs_or_exit() -> list[str]:
         sys.exit(f"flash_ext: {e}")
 
 
-def selected_head_dims() -> list[int]:
-    raw = os.environ.get("FLASH_EXT_HEADDIMS", "")
+def selected_head_dims(var: str = "FLASH_EXT_HEADDIMS") -> list[int]:
+    raw = os.environ.get(var, "")
     if not raw.strip():
         return list(GPU_HEAD_DIMS)
     dims = sorted({int(x) for x in raw.replace(";", ",").split(",") if x.strip()})
     bad = [d for d in dims if d not in GPU_HEAD_DIMS]
     if bad:
-        sys.exit(f"flash_ext: FLASH_EXT_HEADDIMS={raw!r} has {bad}; choose from {GPU_HEAD_DIMS}")
+        sys.exit(f"flash_ext: {var}={raw!r} has {bad}; choose from {GPU_HEAD_DIMS}")
     return dims
+
+
+def head_dims_mask(dims: list[int]) -> int:
+    """Bit i set when GPU_HEAD_DIMS[i] (== kGpuHeadDims / kHostHeadDims in C++) is compiled."""
+    return sum(1 << GPU_HEAD_DIMS.index(hd) for hd in dims)
 
 
 def cuda_archs() -> list[str]:
@@ -88,7 +95,7 @@ def build_extension():
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
     sources = [ROOT / "csrc" / "api.cpp"] + sorted((ROOT / "csrc" / "host").glob("*.cpp"))
-    define_macros = []
+    cxx.append(f"-DFLASH_EXT_HOST_HEADDIMS_MASK={head_dims_mask(selected_head_dims('FLASH_EXT_HOST_HEADDIMS'))}")
 
     if not with_cuda:
         print("flash_ext: building the CPU backend only "
@@ -99,7 +106,7 @@ def build_extension():
 
     head_dims = selected_head_dims()
     archs = cuda_archs()
-    mask = sum(1 << GPU_HEAD_DIMS.index(hd) for hd in head_dims)
+    mask = head_dims_mask(head_dims)
     macros = [f"-DFLASH_EXT_WITH_CUDA", f"-DFLASH_EXT_GPU_HEADDIMS_MASK={mask}",
               f'-DFLASH_EXT_CUDA_ARCHS_STR="{";".join(archs)}"']
     gen = ROOT / "csrc" / "cuda" / "generated"

@@ -58,6 +58,15 @@ class ArgChecker {
   std::vector<std::string> errors_;
 };
 
+// The host head dims this build compiled (FLASH_EXT_HOST_HEADDIMS), comma-separated.
+std::string host_head_dims_list() {
+  std::string s;
+  for (int hd : kHostHeadDims) {
+    if (host_head_dim_compiled(hd)) { s += (s.empty() ? "" : ", ") + std::to_string(hd); }
+  }
+  return s.empty() ? "none" : s;
+}
+
 std::string str(at::IntArrayRef a) {
   std::ostringstream os;
   os << a;
@@ -116,6 +125,11 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
   c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
   c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
+  if (q.device().is_cpu() && d >= 1 && d <= 256 && host_head_dim_for(int(d)) < 0) {
+    c.require(false, "head_dim", std::to_string(d),
+              "no CPU kernel for it in this build (compiled host head dims: " + host_head_dims_list() +
+                  "); rebuild with FLASH_EXT_HOST_HEADDIMS including a head dim >= " + std::to_string(d));
+  }
   c.require(k.sizes() == v.sizes(), "v.shape", str(v.sizes()), "must equal k.shape " + str(k.sizes()));
   if (!varlen && !kv_cache) {
     c.require(k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
@@ -826,7 +840,7 @@ std::string build_info() {
   os << "false, \"cuda_archs\": \"\", \"gpu_head_dims\": []";
 #endif
   os << ", \"host_head_dims\": [";
-  for (int i = 0; i < int(sizeof(kHostHeadDims) / sizeof(int)); ++i) { os << (i ? ", " : "") << kHostHeadDims[i]; }
+  os << host_head_dims_list();
   os << "]}";
   return os.str();
 }

@@ -24,12 +24,26 @@ inline constexpr int kHostBlockN = 64;
 
 constexpr int host_block_m(int seqlen_q) { return seqlen_q <= kHostBlockMShort ? kHostBlockMShort : kHostBlockM; }
 
-// Head dims compiled for the host, ascending.  A problem with head dim d runs the smallest kHeadDim >= d.
+// Head dims the host backend knows, ascending.  A build compiles the subset in FLASH_EXT_HOST_HEADDIMS_MASK
+// (bit i: kHostHeadDims[i]; setup.py's FLASH_EXT_HOST_HEADDIMS, default all): each head dim is two kernel
+// bodies per dtype, and the host translation units dominate a CPU-only build.  A problem with head dim d
+// runs the smallest compiled kHeadDim >= d; -1 when none is compiled (the op layer refuses the call).
 inline constexpr int kHostHeadDims[] = {32, 64, 96, 128, 192, 256};
+inline constexpr int kNumHostHeadDims = int(sizeof(kHostHeadDims) / sizeof(kHostHeadDims[0]));
+#ifndef FLASH_EXT_HOST_HEADDIMS_MASK
+#define FLASH_EXT_HOST_HEADDIMS_MASK 0x3f
+#endif
+
+constexpr bool host_head_dim_compiled(int hd) {
+  for (int i = 0; i < kNumHostHeadDims; ++i) {
+    if (kHostHeadDims[i] == hd) { return ((FLASH_EXT_HOST_HEADDIMS_MASK) >> i) & 1; }
+  }
+  return false;
+}
 
 constexpr int host_head_dim_for(int d) {
   for (int hd : kHostHeadDims) {
-    if (d <= hd) { return hd; }
+    if (d <= hd && host_head_dim_compiled(hd)) { return hd; }
   }
   return -1;
 }
@@ -71,7 +85,9 @@ void run_fwd_host_traits(FwdParams const& params, ParallelFor&& parallel_for) {
 
 template <int kHeadDim, class Element, class ParallelFor>
 void run_fwd_host_head_dim(FwdParams const& params, ParallelFor&& parallel_for) {
-  if (host_block_m(params.seqlen_q) == kHostBlockMShort) {
+  if constexpr (!host_head_dim_compiled(kHeadDim)) {
+    return;  // not in this build: host_head_dim_for never selects it
+  } else if (host_block_m(params.seqlen_q) == kHostBlockMShort) {
     run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN, Element>>(params, parallel_for);
   } else {
     run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN, Element>>(params, parallel_for);
@@ -87,7 +103,7 @@ void run_fwd_host(FwdParams const& params, ParallelFor&& parallel_for) {
     case 128: return run_fwd_host_head_dim<128, Element>(params, parallel_for);
     case 192: return run_fwd_host_head_dim<192, Element>(params, parallel_for);
     case 256: return run_fwd_host_head_dim<256, Element>(params, parallel_for);
-    default: break;  // the op layer rejects d > 256 before this point
+    default: break;  // the op layer rejects head dims without a compiled host kernel before this point
   }
 }
 
