@@ -7,9 +7,11 @@
 namespace flash_ext {
 
 // Copy a (CPY, CPY_M, CPY_K) partition.  Rows at or beyond max_row and columns at or beyond max_col are not
-// read; their destination is zero-filled when clear_oob is set.  Zeros matter for: head-dim padding of Q
-// and K (it enters every dot product), and rows of V beyond seqlen_k (P is 0 there but 0 * NaN is NaN).
-template <class TiledCopy, class Src, class Dst, class Coord, class EvenMN, class EvenK>
+// read; their (shared-memory) destination is zero-filled when clear_oob is set, with the traits' plain
+// stores (Traits::clear_smem, which the warp emulator records like any other shared-memory write).  Zeros
+// matter for: head-dim padding of Q and K (it enters every dot product), and rows of V beyond seqlen_k (P is
+// 0 there but 0 * NaN is NaN).
+template <class Traits, class TiledCopy, class Src, class Dst, class Coord, class EvenMN, class EvenK>
 CUTE_HOST_DEVICE void copy_tile(TiledCopy const& tiled_copy, Src const& S, Dst& D, Coord const& identity,
                                 int max_row, int max_col, EvenMN even_mn, EvenK even_k, bool clear_oob = true) {
   using namespace cute;
@@ -27,11 +29,11 @@ CUTE_HOST_DEVICE void copy_tile(TiledCopy const& tiled_copy, Src const& S, Dst& 
           if (even_k || get<1>(identity(0, m, k)) < max_col) {
             copy(tiled_copy, S(_, m, k), D(_, m, k));
           } else if (clear_oob) {
-            clear(D(_, m, k));
+            Traits::clear_smem(D(_, m, k));
           }
         }
       } else if (clear_oob) {
-        clear(D(_, m, _));
+        Traits::clear_smem(D(_, m, _));
       }
     }
   }

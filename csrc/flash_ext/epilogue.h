@@ -71,7 +71,7 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
 
-  Tensor rO = convert_fragment<Element>(acc_o);                                            // (MMA,MMA_M,MMA_K)
+  Tensor rO = convert_fragment<Traits, Element>(acc_o);                                        // (MMA,MMA_M,MMA_K)
   Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutO{});  // (BLK_M,HEAD_DIM)
   auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
   auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
@@ -111,7 +111,7 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   int const rows_left = binfo.seqlen_q - m_block * kBlockM;
   auto const full_rows = make_flag<std::remove_cv_t<decltype(flags.even_mn)>>(rows_left >= kBlockM);
   auto const full_cols = make_flag<std::remove_cv_t<decltype(flags.even_k)>>(params.d == kHeadDim);
-  copy_tile(gmem_tiled_copy_O, tOrO, tOgO, tOcO, rows_left, params.d, full_rows, full_cols, /*clear_oob=*/false);
+  copy_tile<Traits>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, rows_left, params.d, full_rows, full_cols, /*clear_oob=*/false);
 }
 
 }  // namespace flash_ext

@@ -4,10 +4,7 @@
 #include <type_traits>
 
 #include <cute/tensor.hpp>
-#if defined(__CUDACC__)
 #include <cutlass/array.h>
-#include <cutlass/numeric_conversion.h>
-#endif
 
 namespace flash_ext {
 
@@ -75,31 +72,27 @@ CUTE_HOST_DEVICE constexpr auto acc_rowcol(Tensor&& t) {
   return cute::make_tensor(t.data(), acc_rowcol_layout<kAccValCols>(t.layout()));
 }
 
-// Conversion of a register fragment (fp32 accumulators -> fp16/bf16 operands or outputs), as whole
-// arrays so the GPU uses packed cvt instructions (two values per instruction).
-template <class Src, class Dst>
+// Conversion of an fp32 register fragment (accumulators -> fp16/bf16 operands or outputs), as one array so
+// the GPU uses packed cvt instructions (two values per instruction).  The conversion itself is the traits'
+// (Traits::convert: cvt.rn on the GPU, its emulation under the warp emulator, a plain cast on the host).
+template <class Traits, class Src, class Dst>
 CUTE_HOST_DEVICE void convert_into(Src const& src, Dst& dst) {
-  using From = typename Src::value_type;
   using To = typename Dst::value_type;
   constexpr int N = decltype(cute::size(src))::value;
   static_assert(decltype(cute::size(dst))::value == N);
-#if defined(__CUDACC__)
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  cutlass::Array<From, N> in;
+  static_assert(std::is_same_v<typename Src::value_type, float>);
+  cutlass::Array<float, N> in;
   CUTE_UNROLL
   for (int i = 0; i < N; ++i) { in[i] = src(i); }
-  cutlass::Array<To, N> out = convert(in);
+  cutlass::Array<To, N> const out = Traits::template convert<To, N>(in);
   CUTE_UNROLL
   for (int i = 0; i < N; ++i) { dst(i) = out[i]; }
-#else  // cutlass/numeric_conversion.h is device-only; the host compiler vectorises this loop itself
-  for (int i = 0; i < N; ++i) { dst(i) = static_cast<To>(src(i)); }
-#endif
 }
 
-template <class To, class Tensor>
+template <class Traits, class To, class Tensor>
 CUTE_HOST_DEVICE auto convert_fragment(Tensor const& t) {
   auto out = cute::make_tensor<To>(t.layout());
-  convert_into(t, out);
+  convert_into<Traits>(t, out);
   return out;
 }
 
@@ -115,7 +108,7 @@ CUTE_HOST_DEVICE auto make_p_operand(AccS& acc_s) {
   } else {
     auto rP = cute::make_tensor<ElementP>(a_layout);  // owns cosize(a_layout) == cosize(acc) registers
     auto rP_as_acc = cute::make_tensor(rP.data(), acc_s.layout());
-    convert_into(acc_s, rP_as_acc);
+    convert_into<Traits>(acc_s, rP_as_acc);
     return rP;
   }
 }

@@ -129,8 +129,8 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   int n_block = n_max - 1;
 
   // Prologue: Q and the right-most K tile in one cp.async group.
-  copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, rows_left, params.d, flags.even_mn, flags.even_k);
-  copy_tile(gmem_tiled_copy_QKV, tKgK(n_block), tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+  copy_tile<Traits>(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, rows_left, params.d, flags.even_mn, flags.even_k);
+  copy_tile<Traits>(gmem_tiled_copy_QKV, tKgK(n_block), tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
             params.d, flags.even_mn, flags.even_k);
   Traits::cp_async_fence();
 
@@ -155,7 +155,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::barrier();
 
     // V(n_block) streams in while S = Q.K^T runs.  Rows past seqlen_k are zero-filled (see copy_tile).
-    copy_tile(gmem_tiled_copy_QKV, tVgV(n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+    copy_tile<Traits>(gmem_tiled_copy_QKV, tVgV(n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
               params.d, flags.even_mn, flags.even_k);
     Traits::cp_async_fence();
 
@@ -178,7 +178,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::template cp_async_wait<0>();
     Traits::barrier();
     if (n_block > n_min) {
-      copy_tile(gmem_tiled_copy_QKV, tKgK(n_block - 1), tKsK, tKVcKV,
+      copy_tile<Traits>(gmem_tiled_copy_QKV, tKgK(n_block - 1), tKsK, tKVcKV,
                 binfo.seqlen_k - (n_block - 1) * kBlockN, params.d, flags.even_mn, flags.even_k);
       Traits::cp_async_fence();
     }

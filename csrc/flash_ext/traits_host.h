@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/copy_atom.hpp>
+#include <cutlass/array.h>
 #include <cutlass/numeric_types.h>
 
 namespace flash_ext {
@@ -206,6 +207,15 @@ struct HostTraits {
   static void barrier() {}
   static float exp2(float x) { return host_exp2(x); }
   static float tanh(float x) { return std::tanh(x); }
+  // The host compiler vectorises this loop itself (bf16: the round-to-nearest-even of cutlass's cast).
+  template <class To, int N>
+  static cutlass::Array<To, N> convert(cutlass::Array<float, N> const& in) {
+    cutlass::Array<To, N> out;
+    for (int i = 0; i < N; ++i) { out[i] = static_cast<To>(in[i]); }
+    return out;
+  }
+  template <class Tensor>
+  static void clear_smem(Tensor&& t) { cute::clear(t); }
   template <class Op>
   static float row_allreduce(float x, Op) { return x; }
 };

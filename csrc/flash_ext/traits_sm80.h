@@ -1,6 +1,8 @@
 // GPU traits for sm_80 and newer (Ampere instructions, also the path used on Hopper by this library):
 // 16-byte cp.async global->shared copies, swizzled shared layouts, ldmatrix shared->register copies,
-// mma.sync m16n8k16 with fp32 accumulation, and quad shuffles for row reductions.
+// mma.sync m16n8k16 with fp32 accumulation, and quad shuffles for row reductions.  The instructions come
+// from the architecture policy `Arch` (arch_sm80.h): the real ones on the GPU, emulated ones under the warp
+// emulator; everything else here (tiles, layouts, partitions) is the same for both.
 #pragma once
 
 #include <type_traits>
@@ -10,10 +12,15 @@
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "arch_sm80.h"
+
 namespace flash_ext {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_>
-struct Sm80Traits {
+// The primitives (cp_async_fence/wait, barrier, exp2, tanh, convert, clear_smem, shfl_xor) are Arch's own
+// static members, inherited so that the kernel body calls them as Traits::barrier() on every backend.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, class Element_, class Arch_ = Sm80Arch>
+struct Sm80Traits : Arch_ {
+  using Arch = Arch_;
   using Element = Element_;
   using ElementAccum = float;
   using ElementP = Element;  // P feeds a 16-bit tensor-core MMA
@@ -34,8 +41,7 @@ struct Sm80Traits {
                 "tensor-core path takes fp16 or bf16");
 
   // Warps are stacked along M: a warp owns whole rows of S and O, so row statistics never cross warps.
-  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
-                                   cute::SM80_16x8x16_F32F16F16F32_TN, cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  using MmaOp = typename Arch::template Mma<Element>;
   using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>,
                                   cute::Layout<cute::Shape<cute::Int<kNWarps>, cute::_1, cute::_1>>,
                                   cute::Tile<cute::Int<16 * kNWarps>, cute::_16, cute::_16>>;
@@ -57,9 +63,9 @@ struct Sm80Traits {
   using SmemLayoutVtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutVt{}));
   using SmemLayoutO = SmemLayoutQ;
 
-  using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
-  using SmemCopyAtomO = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+  using SmemCopyAtom = cute::Copy_Atom<typename Arch::LdsmN, Element>;
+  using SmemCopyAtomTransposed = cute::Copy_Atom<typename Arch::LdsmT, Element>;
+  using SmemCopyAtomO = cute::Copy_Atom<typename Arch::VecCopy, Element>;
 
   // Global<->shared: each thread moves 16 bytes per instruction; a row of kBlockKSmem elements is covered
   // by kGmemThreadsPerRow consecutive threads so a warp reads whole 128-byte lines.
@@ -71,11 +77,9 @@ struct Sm80Traits {
       cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
   using GmemValLayout = cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>;
   using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      GmemValLayout{}));
+      cute::Copy_Atom<typename Arch::CpAsync, Element>{}, GmemLayoutAtom{}, GmemValLayout{}));
   using GmemTiledCopyO = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
-      GmemValLayout{}));
+      cute::Copy_Atom<typename Arch::VecCopy, Element>{}, GmemLayoutAtom{}, GmemValLayout{}));
 
   // Q tile, then K and V tiles; O reuses the Q bytes in the epilogue.
   static constexpr int kSmemQBytes = int(cute::cosize_v<SmemLayoutQ>) * int(sizeof(Element));
@@ -98,33 +102,14 @@ struct Sm80Traits {
                              cute::get<2, 1>(l));
   }
 
-#if defined(__CUDACC__)
-  // cp.async groups: a fence closes the group of copies issued so far; wait<N> blocks until at most N
-  // groups are still in flight.  Data is visible to *other* threads only after the following barrier.
-  CUTE_DEVICE static void cp_async_fence() { cute::cp_async_fence(); }
-  template <int N>
-  CUTE_DEVICE static void cp_async_wait() { cute::cp_async_wait<N>(); }
-  CUTE_DEVICE static void barrier() { __syncthreads(); }
-  // ex2.approx under --use_fast_math: one MUFU op; exp2(-inf) = 0 as the softmax needs.
-  CUTE_DEVICE static float exp2(float x) { return exp2f(x); }
-  // Softcap's tanh as one MUFU op (sm_75+; relative error about 2^-11, below the 2^-8 of the bf16 scores
-  // it caps).  tanhf is a ~20-instruction sequence per score that also pushed the head-dim-256
-  // runtime-flag kernels into spilling.
-  CUTE_DEVICE static float tanh(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-  }
-
   // A row of the S accumulator is spread over the 4 lanes of a quad (lanes 4r..4r+3, see the
   // partition tests); xor-shuffles over lane bits 0 and 1 combine exactly that group.
   template <class Op>
-  CUTE_DEVICE static float row_allreduce(float x, Op op) {
-    x = op(x, __shfl_xor_sync(0xffffffffu, x, 2));
-    x = op(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  CUTE_HOST_DEVICE static float row_allreduce(float x, Op op) {
+    x = op(x, Arch::shfl_xor(x, 2));
+    x = op(x, Arch::shfl_xor(x, 1));
     return x;
   }
-#endif
 };
 
 }  // namespace flash_ext
