@@ -94,7 +94,9 @@ def build_extension():
            "-fopenmp"]
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
-    sources = [ROOT / "csrc" / "api.cpp"] + sorted((ROOT / "csrc" / "host").glob("*.cpp"))
+    # The op layer (one file per op family), the pybind module, and the CPU backend.
+    sources = ([ROOT / "csrc" / "module.cpp"] + sorted((ROOT / "csrc" / "ops").glob("*.cpp"))
+               + sorted((ROOT / "csrc" / "host").glob("*.cpp")))
     cxx.append(f"-DFLASH_EXT_HOST_HEADDIMS_MASK={head_dims_mask(selected_head_dims('FLASH_EXT_HOST_HEADDIMS'))}")
 
     if not with_cuda:
@@ -119,6 +121,11 @@ def build_extension():
         nvcc.append("-Xptxas=-v")
     for a in archs:
         nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    # SASS runs only on its own major arch (sm_80 SASS serves sm_86/sm_89 too); PTX of the newest listed arch
+    # lets the driver JIT-compile the kernels for newer GPUs (Blackwell sm_100/sm_120), as "+PTX" does in
+    # TORCH_CUDA_ARCH_LIST.  An arch-specific target ("90a") has no forward-compatible PTX: use its base.
+    ptx_arch = max((a.rstrip("a") for a in archs), key=int)
+    nvcc += ["-gencode", f"arch=compute_{ptx_arch},code=compute_{ptx_arch}"]
     print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims}, MAX_JOBS {os.environ['MAX_JOBS']}")
     return cpp_extension.CUDAExtension(
         "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,

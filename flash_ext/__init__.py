@@ -5,11 +5,9 @@ follow flash_attn 2.8; the op is also available as ``torch.ops.flash_ext.fwd``.
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
-from . import _ops  # noqa: F401
+from . import _C, _ops  # noqa: F401
 from .explain import Explanation, explain
 from .kvcache import flash_attn_with_kvcache
 from .interface import (
@@ -25,11 +23,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info", "explain",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info",
+    "compiled_kernels", "explain",
     "Explanation",
 ]
 
 
 def build_info() -> dict:
     """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "host_head_dims": [...]}``."""
-    return json.loads(torch.ops.flash_ext._build_info())
+    return _C.build_info()
+
+
+def compiled_kernels() -> list:
+    """Every compiled kernel instance, one dict each: ``backend`` ("cuda"/"cpu"), ``arch``, ``kernel``,
+    ``head_dim``, ``dtype``, ``causal``, ``variant`` (the static flag combination) and the tile
+    (``block_m``, ``block_n``, ``threads``).  A problem runs the smallest compiled head dim >= its own."""
+    return _C.compiled_kernels()

@@ -34,22 +34,15 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
 
 
 @torch.library.register_fake("flash_ext::kvcache_fwd")
-def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
-                      causal, window_left, window_right, softcap, alibi_slopes, num_splits=0):
-    _check_same_device("kvcache_fwd", {"q": q, "k_cache": k_cache, "v_cache": v_cache, "seqlens_k": seqlens_k,
-                                       "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
-                                       "block_table": block_table, "alibi_slopes": alibi_slopes})
+def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                      softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, num_splits=0,
+                      rotary_len=-1, rotary_rows=0):
+    _check_same_device("kvcache_fwd", {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+                                       "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
+                                       "cache_leftpad": cache_leftpad, "block_table": block_table,
+                                       "alibi_slopes": alibi_slopes})
     b, sq, h, d = q.shape
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
-
-
-@torch.library.register_fake("flash_ext::kvcache_append_")
-def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_len=-1,
-                         rotary_rows=0):
-    _check_same_device("kvcache_append_", {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
-                                           "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
-                                           "block_table": block_table})
-    return None
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -64,4 +57,3 @@ def _fwd_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 torch.library.register_autograd("flash_ext::varlen_fwd", _fwd_backward, setup_context=_fwd_setup_context)
-torch.library.register_autograd("flash_ext::kvcache_fwd", _fwd_backward, setup_context=_fwd_setup_context)

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Any, Optional, Tuple
 
 import torch
 
-from . import _ops  # noqa: F401
+from . import _C, _ops  # noqa: F401
 from .interface import _prepare_qkv
 
 __all__ = ["explain", "Explanation"]
@@ -42,28 +40,10 @@ class Explanation:
             f"smem        {p['smem_bytes']} bytes per CTA",
             f"grid        {tuple(p['grid'])} = (m_blocks, batch, heads)",
             f"kv splits   {p['num_splits']}",
-            f"HBM bytes   ~{self.hbm_bytes / 2**20:.1f} MiB (naive attention materialising S and P: "
+            f"HBM bytes   ~{self.hbm_bytes / 2**20:.1f} MiB estimated (naive attention materialising S and P: "
             f"~{self.naive_hbm_bytes / 2**20:.1f} MiB, {self.naive_hbm_bytes / max(self.hbm_bytes, 1):.1f}x)",
         ]
         return "\n".join(lines)
-
-
-def _traffic(q: torch.Tensor, k: torch.Tensor, plan: dict) -> Tuple[int, int]:
-    """Estimated HBM bytes: flash reads Q once and K/V once per m-block (an upper bound: L2 absorbs some),
-    writes O and LSE; naive additionally writes and reads back S and P (b*h*sq*sk elements each)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    e = q.element_size()
-    qo = 2 * b * sq * h * d * e + b * h * sq * 4
-    kv = 2 * b * sk * hk * d * e
-    m_blocks = max(1, math.ceil(sq / max(plan.get("block_m", 1), 1)))
-    visible = 0.5 if plan.get("flags", {}).get("causal") else 1.0
-    flash = qo + int(kv * (h // max(hk, 1)) * max(1.0, m_blocks * visible))
-    naive = qo + kv + 4 * b * h * sq * sk * e
-    splits = plan.get("num_splits", 1)
-    if splits > 1:  # fp32 partial O and LSE written by each split and read back by the combine
-        flash += 2 * splits * b * h * sq * (d + 1) * 4
-    return flash, naive
 
 
 def explain(
@@ -93,13 +73,13 @@ def explain(
     if dropout_p != 0.0:
         reasons.append(f"dropout_p: got {dropout_p}; dropout is not implemented yet (must be 0.0)")
     q, k, v, softmax_scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
-    plan: dict[str, Any] = json.loads(torch.ops.flash_ext._plan_fwd(
-        q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
-        alibi_slopes, int(num_splits)))
+    # The plan is the C++ dispatcher's own decision (the same code the op runs), not a re-derivation.
+    plan: dict[str, Any] = _C.plan_fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
+                                       int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
     reasons += plan.get("reasons", [])
     ok = plan.get("ok", False) and not reasons
-    flash, naive = _traffic(q, k, plan) if plan.get("ok") else (0, 0)
-    result = Explanation(ok=ok, reasons=reasons, plan=plan, hbm_bytes=flash, naive_hbm_bytes=naive)
+    result = Explanation(ok=ok, reasons=reasons, plan=plan, hbm_bytes=plan.get("hbm_bytes", 0),
+                         naive_hbm_bytes=plan.get("naive_hbm_bytes", 0))
     if verbose:
         print(result)
     return result

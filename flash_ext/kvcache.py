@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .interface import _prepare_qkv, _window_size_error
+from .interface import _window_size_error
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -108,11 +108,15 @@ def flash_attn_with_kvcache(
     * Keys visible to entry i: rows ``[cache_leftpad[i], cache_seqlens[i] + seqlen_new)``; causal/local
       masks are bottom-right aligned to them.  Other arguments as in ``flash_attn_func``.
 
-    Index arguments are validated before anything is written, by the ops themselves (on CUDA: a
-    device-to-host copy in ``kvcache_append_`` and one in ``kvcache_fwd``; set
-    ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip them), so a bad length or page index is a ValueError, never an
-    out-of-bounds access.  The whole function compiles into one graph under ``torch.compile``.  Returns
-    ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
+    Every argument, index values included (cache lengths, batch indices, left padding, pages, rotary
+    coverage), is validated before anything is written: a refused call leaves the cache bit-identical, and a
+    bad index is a ValueError, never an out-of-bounds access.  On CUDA the index values cost one
+    device-to-host copy per call; they are trusted (not copied) while the current stream is capturing a CUDA
+    graph, or with ``FLASH_EXT_TRUST_CU_SEQLENS=1`` (then invalid values are undefined behaviour, as in
+    flash_attn).  The cache is plain storage: appending k/v that require grad records no autograd history
+    into it, and the function is forward-only (as in flash_attn).  The whole function is one op
+    (``torch.ops.flash_ext.kvcache_fwd``, mutation declared), so a decode step compiles into one graph under
+    ``torch.compile``.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
     """
     errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size)
     if errors:
@@ -129,32 +133,28 @@ def flash_attn_with_kvcache(
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
     else:
         seqlens = cache_seqlens
-    leftpad = cache_leftpad if cache_leftpad is not None else torch.zeros(b, dtype=torch.int32, device=dev)
-    seqlen_new = 0 if k is None else k.shape[1]
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
 
+    rotary_len, rotary_rows = -1, 0
     if k is not None:
-        # Index values are checked by the append op on the host before it writes anything (no data-dependent
-        # branch here, so a decode step compiles into one graph).  The rotary gathers run first, on clamped
-        # positions: if a position was out of range the op raises and these rotated values are never used.
-        pos = seqlens.long()[:, None] + torch.arange(seqlen_new, device=dev)[None, :]   # (b, seqlen_new)
+        # The rotary gathers run on clamped positions before the op validates them: if a position was out of
+        # range the op raises (writing nothing) and these rotated values are never used.
+        seqlen_new = k.shape[1]
         local = causal or window_size[0] >= 0 or window_size[1] >= 0
-        rotary_len, rotary_rows = -1, 0
         if rotary_cos is not None:
             rotary_len = rotary_cos.shape[0]
             rotary_rows = max(seqlen_new, sq if local else 1)
+            pos = seqlens.long()[:, None] + torch.arange(seqlen_new, device=dev)[None, :]   # (b, seqlen_new)
             k = apply_rotary(k, rotary_cos, rotary_sin, pos.clamp(0, rotary_len - 1), rotary_interleaved)
-        torch.ops.flash_ext.kvcache_append_(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), seqlens,
-                                            cache_batch_idx, block_table, rotary_len, rotary_rows)
-        if rotary_cos is not None:
             qpos = seqlens.long()[:, None] + (torch.arange(sq, device=dev)[None, :] if local else 0)
             q = apply_rotary(q, rotary_cos, rotary_sin, qpos.expand(b, sq).clamp(0, rotary_len - 1),
                              rotary_interleaved)
+        # The cache is plain storage (no autograd history), in the cache's dtype.
+        k, v = k.detach().to(k_cache.dtype), v.detach().to(v_cache.dtype)
 
-    seqlens_k = (seqlens + seqlen_new - leftpad).to(torch.int32)
-    q, k_cache_p, v_cache_p, softmax_scale, head_dim = _prepare_qkv(q, k_cache, v_cache, softmax_scale, rank=4)
     out, lse = torch.ops.flash_ext.kvcache_fwd(
-        q, k_cache_p, v_cache_p, seqlens_k, cache_batch_idx, cache_leftpad, block_table, softmax_scale, bool(causal),
-        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
-    if out.shape[-1] != head_dim:
-        out = out[..., :head_dim]
+        q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
+        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
+        rotary_len, rotary_rows)
     return (out, lse) if return_softmax_lse else out

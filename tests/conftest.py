@@ -1,6 +1,6 @@
 """Shared pytest configuration for the flash_ext Python tests.
 
-* Output poisoning: for the whole session ``torch.ops.flash_ext._set_poison_outputs(True)`` makes the op
+* Output poisoning: for the whole session ``flash_ext._C.set_poison_outputs(True)`` makes the op
   fill ``out`` and ``lse`` with NaN before the kernel runs, so any element the kernel forgets to write
   shows up as NaN and fails the comparison.  The previous setting is restored at the end.
 * Devices: tests parametrised with ``DEVICES`` run on "cpu" always and on "cuda" only when a GPU is visible
@@ -74,8 +74,8 @@ def _poison_outputs():
     if flash_ext is None:
         yield
         return
-    previous = torch.ops.flash_ext._set_poison_outputs(True)
+    previous = flash_ext._C.set_poison_outputs(True)
     try:
         yield
     finally:
-        torch.ops.flash_ext._set_poison_outputs(previous)
+        flash_ext._C.set_poison_outputs(previous)

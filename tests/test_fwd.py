@@ -213,7 +213,7 @@ def test_masking_empty_rows_with_alibi_softcap(device, extra):
 
 def test_window_right_at_least_seqlen_k_with_long_q():
     """The documented window rule holds even where flash-attn 2.8 would treat right >= seqlen_k as unbounded:
-    with seqlen_q > seqlen_k + 1 the first rows still see fewer keys (csrc/api.cpp, set_semantics)."""
+    with seqlen_q > seqlen_k + 1 the first rows still see fewer keys (csrc/ops/common.cpp, set_semantics)."""
     q, k, v = make_qkv(1, 40, 8, 2, 2, 32, torch.float32)
     out, lse, _ = flash_attn_func(q, k, v, window_size=(-1, 10), return_attn_probs=True)
     check_close(out, lse, q, k, v, window_size=(-1, 10), context="window (-1, 10), sq=40, sk=8")
@@ -477,13 +477,13 @@ def test_dropout_not_implemented():
 
 def test_poison_switch_returns_previous_state():
     # conftest switched poisoning on for the session
-    assert torch.ops.flash_ext._set_poison_outputs(True) is True
+    assert flash_ext._C.set_poison_outputs(True) is True
     try:
-        assert torch.ops.flash_ext._set_poison_outputs(False) is True
-        assert torch.ops.flash_ext._set_poison_outputs(False) is False
-        assert torch.ops.flash_ext._set_poison_outputs(True) is False
+        assert flash_ext._C.set_poison_outputs(False) is True
+        assert flash_ext._C.set_poison_outputs(False) is False
+        assert flash_ext._C.set_poison_outputs(True) is False
     finally:
-        torch.ops.flash_ext._set_poison_outputs(True)
+        flash_ext._C.set_poison_outputs(True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -494,13 +494,13 @@ def test_kernel_writes_every_output_element(device, causal, window):
     device = require_device(device)
     q, k, v = make_qkv(2, 131, 67, 4, 2, 40, torch.float16, device)  # d=40: op sees d=40 (multiple of 8)
     args = (q, k, v, 0.125, causal, window[0], window[1], 0.0, None)
-    assert torch.ops.flash_ext._set_poison_outputs(True) is True
+    assert flash_ext._C.set_poison_outputs(True) is True
     out, lse = torch.ops.flash_ext.fwd(*args)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    previous = torch.ops.flash_ext._set_poison_outputs(False)
+    previous = flash_ext._C.set_poison_outputs(False)
     try:
         out2, lse2 = torch.ops.flash_ext.fwd(*args)
     finally:
-        torch.ops.flash_ext._set_poison_outputs(previous)
+        flash_ext._C.set_poison_outputs(previous)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     check_close(out, lse, q, k, v, softmax_scale=0.125, causal=causal, window_size=window, context="op direct")

@@ -191,7 +191,7 @@ def test_kvcache_op_reports_every_malformed_index_tensor() -> None:
     q = torch.randn(2, 1, 2, 64)
     k_cache = torch.randn(2, 16, 2, 64)
     with pytest.raises(ValueError) as info:
-        torch.ops.flash_ext.kvcache_fwd(q, k_cache, k_cache, torch.tensor([1, 2]), torch.tensor([0, 1]), None, None,
-                                        0.1, False, -1, -1, 0.0, None, 0)
+        torch.ops.flash_ext.kvcache_fwd(q, k_cache, k_cache, None, None, torch.tensor([1, 2]), torch.tensor([0, 1]),
+                                        None, None, 0.1, False, -1, -1, 0.0, None, 0)
     msg = str(info.value)
-    assert "2 invalid arguments" in msg and "seqlens_k" in msg and "cache_batch_idx" in msg, msg
+    assert "2 invalid arguments" in msg and "cache_seqlens" in msg and "cache_batch_idx" in msg, msg

@@ -12,7 +12,7 @@ import flash_ext
 from attn_check import check_close, make_alibi, make_qkv
 from conftest import DEVICES, require_device
 
-heuristic = torch.ops.flash_ext._num_splits_heuristic
+heuristic = flash_ext._C.num_splits_heuristic
 
 DECODE = [
     # b, sq, sk, h, hk, d, kwargs

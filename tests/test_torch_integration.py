@@ -154,8 +154,9 @@ def _varlen_args(device, seqused: bool):
     return (q, k, v, cu_q, cu_k, used, max(lens_q), max(lens_k), 0.125, True, -1, -1, 8.0, None)
 
 
-def _kvcache_args(device, paged: bool):
-    """kvcache_fwd args: decode-like (2 query rows) against a contiguous or a paged cache."""
+def _kvcache_args(device, paged: bool, append: bool = False):
+    """kvcache_fwd args: decode-like (2 query rows) against a contiguous or a paged cache, optionally
+    appending 3 new rows per entry (cache_seqlens are then the lengths before the append)."""
     b, h, hk, d = 2, 4, 2, 64
     q = torch.randn(b, 2, h, d, dtype=torch.float16, device=device)
     if paged:
@@ -166,7 +167,9 @@ def _kvcache_args(device, paged: bool):
         block_table = None
     v_cache = torch.randn_like(k_cache)
     seqlens_k = torch.tensor([130, 17], dtype=torch.int32, device=device)
-    return (q, k_cache, v_cache, seqlens_k, None, None, block_table, 0.125, True, -1, -1, 0.0, None, 0)
+    k, v = ((torch.randn(b, 3, hk, d, dtype=torch.float16, device=device) for _ in range(2)) if append
+            else (None, None))
+    return (q, k_cache, v_cache, k, v, seqlens_k, None, None, block_table, 0.125, True, -1, -1, 0.0, None, 0, -1, 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -178,22 +181,15 @@ def test_opcheck_varlen(device, seqused):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("paged", [False, True])
-def test_opcheck_kvcache(device, paged):
+@pytest.mark.parametrize("append", [False, True])
+def test_opcheck_kvcache(device, paged, append):
+    """With new k/v the op appends in place: its schema declares exactly the mutations it does (opcheck's
+    test_schema checks that), and the fake kernel agrees with the real one."""
     device = require_device(device)
-    torch.library.opcheck(torch.ops.flash_ext.kvcache_fwd.default, _kvcache_args(device, paged))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("paged", [False, True])
-def test_opcheck_kvcache_append(device, paged):
-    """The append op's schema declares exactly the mutations it does (opcheck's test_schema checks that)."""
-    device = require_device(device)
-    _, k_cache, v_cache, seqlens, *_ = _kvcache_args(device, paged)
-    k, v = (torch.randn(2, 3, 2, 64, dtype=torch.float16, device=device) for _ in range(2))
-    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=device) if paged else None
-    batch_idx = None if paged else torch.tensor([1, 0], dtype=torch.int32, device=device)
-    torch.library.opcheck(torch.ops.flash_ext.kvcache_append_.default,
-                          (k_cache, v_cache, k, v, seqlens, batch_idx, table, -1, 0))
+    args = list(_kvcache_args(device, paged, append))
+    if append and not paged:
+        args[6] = torch.tensor([1, 0], dtype=torch.int32, device=device)  # cache_batch_idx
+    torch.library.opcheck(torch.ops.flash_ext.kvcache_fwd.default, tuple(args))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -225,7 +221,7 @@ def test_compile_kvcache_decode_step(device):
 def test_compile_fullgraph_kvcache_read_only(device):
     """Attention against an existing (paged) cache, no append: no host-side checks, one graph."""
     device = require_device(device)
-    q, k_cache, v_cache, seqlens_k, _, _, block_table, *_ = _kvcache_args(device, paged=True)
+    q, k_cache, v_cache, _, _, seqlens_k, _, _, block_table, *_ = _kvcache_args(device, paged=True)
 
     def f(q, k_cache, v_cache, seqlens, block_table):
         return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,

@@ -152,20 +152,16 @@ CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int c
   return plan;
 }
 
-std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream) {
-  int device = 0;
-  cudaGetDevice(&device);
-  cudaDeviceProp prop;
-  cudaError_t err = cudaGetDeviceProperties(&prop, device);
-  if (err != cudaSuccess) { return std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(err); }
-  CudaPlan const plan = plan_fwd_cuda(params, dtype, prop.major, prop.minor, int(prop.sharedMemPerBlockOptin));
+std::string run_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int cc_minor, int max_smem_optin,
+                         void* stream) {
+  CudaPlan const plan = plan_fwd_cuda(params, dtype, cc_major, cc_minor, max_smem_optin);
   if (!plan.ok) { return plan.why; }
   std::string result;
   visit_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
     // Only compiled instantiations are referenced, so a partial build links.
     if constexpr (head_dim_compiled(HD)) {
       result = run_fwd_sm80<HD, Element, Causal>(params, static_cast<cudaStream_t>(stream),
-                                                 smem_budget_for(int(prop.sharedMemPerBlockOptin)));
+                                                 smem_budget_for(max_smem_optin));
     }
   });
   if (result.empty() && params.num_splits > 1) {
@@ -173,7 +169,7 @@ std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream) {
                                       : launch_combine<cutlass::bfloat16_t>(params, static_cast<cudaStream_t>(stream));
   }
   if (result.find("no kernel image") != std::string::npos || result.find("invalid device function") != std::string::npos) {
-    result += " (this build has no kernel for sm_" + std::to_string(prop.major * 10 + prop.minor) +
+    result += " (this build has no kernel for sm_" + std::to_string(cc_major * 10 + cc_minor) +
               "; rebuild with FLASH_EXT_CUDA_ARCHS including it)";
   }
   return result;

@@ -1,4 +1,4 @@
-// Raw-pointer entry points between the torch op layer (api.cpp) and the kernels.  No torch types cross
+// Raw-pointer entry points between the torch op layer (csrc/ops/) and the kernels.  No torch types cross
 // this boundary, so kernel translation units never include torch headers.
 #pragma once
 
@@ -25,8 +25,11 @@ struct CudaPlan {
 };
 CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor,
                        int max_smem_per_block_optin);
-// Launches on `stream` (a cudaStream_t).  Returns an empty string on success, else the reason.
-std::string run_fwd_cuda(FwdParams const& params, DType dtype, void* stream);
+// Launches on `stream` (a cudaStream_t) of the current device, whose compute capability and opt-in shared
+// memory per block the caller passes (the op layer's cached device properties).  Returns an empty string on
+// success, else the reason.
+std::string run_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor,
+                         int max_smem_per_block_optin, void* stream);
 #endif
 
 }  // namespace flash_ext

@@ -1,5 +1,5 @@
 // Problem description shared by every backend. Plain data: no torch, no CUDA types, so the same struct
-// is filled by the op layer (api.cpp) and read by the host and the device instances of the kernel body.
+// is filled by the op layer (csrc/ops/) and read by the host and the device instances of the kernel body.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,147 @@
+// flash_ext._C: the pybind11 module.  Importing it loads the shared library, whose TORCH_LIBRARY blocks
+// (csrc/ops/*.cpp) register the torch.ops.flash_ext.* ops; the module itself exposes what Python needs that
+// is not an op: what the build contains, the plans behind explain(), the split heuristic, and test hooks.
+// Nothing is both an op and a module function.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "flash_ext/dispatch.h"
+#include "flash_ext/launch_host.h"
+#include "ops/common.h"
+#include "ops/index_values.h"
+#include "ops/ops.h"
+
+namespace flash_ext {
+namespace {
+
+namespace py = pybind11;
+
+#if defined(FLASH_EXT_WITH_CUDA)
+constexpr int kGpuHeadDimsMask = FLASH_EXT_GPU_HEADDIMS_MASK;
+std::string const kCudaArchs = FLASH_EXT_CUDA_ARCHS_STR;
+#else
+constexpr int kGpuHeadDimsMask = 0;
+std::string const kCudaArchs;
+#endif
+
+std::vector<int> gpu_head_dims() {
+  std::vector<int> out;
+  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
+    if ((kGpuHeadDimsMask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
+  }
+  return out;
+}
+
+std::vector<std::string> cuda_archs() {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < kCudaArchs.size()) {
+    size_t const end = kCudaArchs.find(';', start);
+    std::string const a = kCudaArchs.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    if (!a.empty()) { out.push_back(a); }
+    if (end == std::string::npos) { break; }
+    start = end + 1;
+  }
+  return out;
+}
+
+py::dict build_info() {
+  py::dict info;
+  std::vector<int> host;
+  for (int hd : kHostHeadDims) {
+    if (host_head_dim_compiled(hd)) { host.push_back(hd); }
+  }
+  info["cuda"] = kGpuHeadDimsMask != 0 || !kCudaArchs.empty();
+  info["cuda_archs"] = kCudaArchs;
+  info["gpu_head_dims"] = gpu_head_dims();
+  info["host_head_dims"] = host;
+  return info;
+}
+
+// One entry per compiled kernel instance: the CUDA forward kernels (arch x head dim x dtype x causal x
+// static variant, with their tile) and the host instances (head dim x dtype x tile height).
+py::list compiled_kernels() {
+  py::list out;
+  for (auto const& arch : cuda_archs()) {
+    for (int hd : gpu_head_dims()) {
+      for (char const* dtype : {"fp16", "bf16"}) {
+        for (bool causal : {false, true}) {
+          TileConfig const t = sm80_tile_config(hd, causal);
+          for (Variant const& v : kVariants) {
+            py::dict k;
+            k["backend"] = "cuda", k["arch"] = "sm_" + arch, k["kernel"] = "fwd", k["head_dim"] = hd;
+            k["dtype"] = dtype, k["causal"] = causal, k["variant"] = v.name;
+            k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
+            out.append(k);
+          }
+        }
+      }
+    }
+  }
+  for (int hd : kHostHeadDims) {
+    if (!host_head_dim_compiled(hd)) { continue; }
+    for (char const* dtype : {"fp32", "fp16", "bf16"}) {
+      for (int block_m : {kHostBlockMShort, kHostBlockM}) {
+        py::dict k;
+        k["backend"] = "cpu", k["kernel"] = "fwd", k["head_dim"] = hd, k["dtype"] = dtype;
+        k["variant"] = "runtime flags", k["block_m"] = block_m, k["block_n"] = kHostBlockN, k["threads"] = 1;
+        out.append(k);
+      }
+    }
+  }
+  return out;
+}
+
+py::dict plan_to_dict(ops::Plan const& p) {
+  py::dict d;
+  d["ok"] = p.ok;
+  d["reasons"] = p.reasons;
+  if (!p.ok && p.backend.empty()) { return d; }
+  d["device"] = p.device, d["backend"] = p.backend, d["head_dim"] = p.head_dim, d["head_dim_tile"] = p.head_dim_tile;
+  d["block_m"] = p.block_m, d["block_n"] = p.block_n, d["threads_per_cta"] = p.threads_per_cta;
+  d["smem_bytes"] = p.smem_bytes, d["variant"] = p.variant;
+  d["grid"] = std::vector<int64_t>{p.grid[0], p.grid[1], p.grid[2]};
+  d["num_splits"] = p.num_splits, d["varlen"] = p.varlen;
+  py::dict flags;
+  flags["even_mn"] = p.even_mn, flags["even_k"] = p.even_k, flags["causal"] = p.causal, flags["local"] = p.local;
+  flags["alibi"] = p.alibi, flags["softcap"] = p.softcap, flags["split"] = p.num_splits > 1;
+  d["flags"] = flags;
+  d["window"] = std::vector<int>{p.window_left, p.window_right};
+  d["hbm_bytes"] = p.hbm_bytes, d["naive_hbm_bytes"] = p.naive_hbm_bytes;
+  return d;
+}
+
+}  // namespace
+}  // namespace flash_ext
+
+PYBIND11_MODULE(_C, m) {
+  using namespace flash_ext;
+  m.doc() = "flash_ext's C++ extension: ops are registered as torch.ops.flash_ext.*; this module holds the rest";
+  m.def("build_info", &build_info, "What this build contains: CUDA archs and head dims, host head dims.");
+  m.def("compiled_kernels", &compiled_kernels, "Every compiled kernel instance (backend, arch, head dim, dtype, "
+        "causal, variant, tile).");
+  m.def("plan_fwd",
+        [](at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
+           int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
+           int64_t num_splits) {
+          return plan_to_dict(ops::plan_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                            alibi_slopes, num_splits));
+        },
+        "What flash_ext.fwd would run for these arguments, or every reason it cannot; runs nothing.",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
+        py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("num_splits") = 0);
+  m.def("num_splits_heuristic",
+        [](int ctas, int processors, int n_blocks) {
+          return num_splits_heuristic(ctas, processors, n_blocks, int(ops::kMaxSplits));
+        },
+        "The split-KV heuristic of dispatch.h (a pure function).", py::arg("ctas"), py::arg("processors"),
+        py::arg("n_blocks"));
+  m.def("set_poison_outputs", &ops::set_poison_outputs,
+        "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
+        py::arg("enable"));
+  m.def("index_reads", &ops::index_reads,
+        "Debug counter: host reads of op index tensors (cu_seqlens, cache lengths, ...) so far; one per op call "
+        "that validates values (on CUDA each is one device-to-host copy).");
+}

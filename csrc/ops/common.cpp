@@ -1,0 +1,417 @@
+#include "common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#if defined(FLASH_EXT_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "flash_ext/dispatch.h"
+#include "flash_ext/launch_host.h"
+
+namespace flash_ext::ops {
+
+namespace {
+std::atomic<bool> g_poison_outputs{false};
+
+// The GPU traits move 16-byte vectors: every row must start on a 16-byte boundary.
+bool aligned16(at::Tensor const& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) { return false; }
+  for (int i = 0; i < t.dim() - 1; ++i) {
+    if (t.size(i) > 1 && t.stride(i) % 8 != 0) { return false; }
+  }
+  return true;
+}
+
+// CUDA inputs whose rows are not 16-byte aligned are copied into fresh (aligned) storage; CPU inputs are
+// read element-wise and used as they are.
+at::Tensor aligned_for_kernel(at::Tensor const& t) {
+  if (!t.is_cuda() || aligned16(t)) { return t; }
+  at::Tensor c = t.contiguous();
+  return aligned16(c) ? c : c.clone();
+}
+
+// Tensor layouts into params; q/k/v are 4-D (fixed length) or 3-D (varlen: no batch stride).  Paged k/v are
+// 4-D under a 3-D varlen q: their "batch" stride is the page stride.
+void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
+  int const r = int(q.dim()) - 3;   // index of q's row (sequence) dimension
+  int const rk = int(k.dim()) - 3;  // and of k's and v's
+  p.q_ptr = q.data_ptr();
+  p.k_ptr = k.data_ptr();
+  p.v_ptr = v.data_ptr();
+  p.q_batch_stride = r ? q.stride(0) : 0, p.q_row_stride = q.stride(r), p.q_head_stride = q.stride(r + 1);
+  p.k_batch_stride = rk ? k.stride(0) : 0, p.k_row_stride = k.stride(rk), p.k_head_stride = k.stride(rk + 1);
+  p.v_batch_stride = rk ? v.stride(0) : 0, p.v_row_stride = v.stride(rk), p.v_head_stride = v.stride(rk + 1);
+  p.h = int(q.size(r + 1));
+  p.d = int(q.size(r + 2));
+  p.h_k = int(k.size(rk + 1));
+  p.h_h_k_ratio = p.h / p.h_k;
+}
+
+void set_outputs(FwdParams& p, at::Tensor& out, at::Tensor& lse) {
+  int const r = int(out.dim()) - 3;
+  p.o_ptr = out.data_ptr();
+  p.softmax_lse_ptr = lse.data_ptr<float>();
+  p.o_batch_stride = r ? out.stride(0) : 0, p.o_row_stride = out.stride(r), p.o_head_stride = out.stride(r + 1);
+}
+
+std::string json_escape(std::string const& x) {
+  std::string out;
+  for (char ch : x) {
+    if (ch == '"' || ch == '\\') { out += '\\'; }
+    out += ch;
+  }
+  return out;
+}
+
+// The tile sizes the split heuristic and the plan work with, for the device that will run.
+struct TileChoice {
+  bool ok = false;
+  std::string why;
+  int head_dim = 0, block_m = 0, block_n = 0, threads = 0, smem = 0;
+  std::string variant;
+};
+
+TileChoice choose_tile(FwdParams const& p, at::Tensor const& q, DeviceInfo const& dev) {
+  TileChoice t;
+  if (!dev.cuda) {
+    t.head_dim = host_head_dim_for(p.d);
+    t.ok = t.head_dim > 0;
+    if (!t.ok) { t.why = "no CPU kernel for head dim " + std::to_string(p.d) + " in this build"; }
+    t.block_m = host_block_m(p.seqlen_q);
+    t.block_n = kHostBlockN;
+    t.threads = 1;
+    t.smem = (t.block_m + 2 * t.block_n) * t.head_dim * int(q.element_size());
+    t.variant = "runtime flags";
+    return t;
+  }
+#if defined(FLASH_EXT_WITH_CUDA)
+  CudaPlan const cp = plan_fwd_cuda(p, to_dtype(q.scalar_type()), dev.cc_major, dev.cc_minor, dev.smem_per_block_optin);
+  t.ok = cp.ok, t.why = cp.why, t.head_dim = cp.head_dim, t.block_m = cp.block_m, t.block_n = cp.block_n;
+  t.threads = 32 * cp.num_warps, t.smem = cp.smem_bytes, t.variant = cp.variant_name;
+#else
+  t.why = "flash_ext was built without CUDA";
+#endif
+  return t;
+}
+
+}  // namespace
+
+void ArgChecker::raise_if_any() const {
+  if (errors_.empty()) { return; }
+  std::ostringstream os;
+  os << op_ << ": " << errors_.size() << " invalid argument" << (errors_.size() > 1 ? "s" : "") << ":";
+  for (auto const& e : errors_) { os << "\n  - " << e; }
+  TORCH_CHECK_VALUE(false, os.str());
+}
+
+std::string str(at::IntArrayRef a) {
+  std::ostringstream os;
+  os << a;
+  return os.str();
+}
+std::string str(at::ScalarType t) { return std::string(c10::toString(t)); }
+std::string str(at::Device d) { return d.str(); }
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: return DType::kFloat32;
+  }
+}
+
+std::string host_head_dims_list() {
+  std::string s;
+  for (int hd : kHostHeadDims) {
+    if (host_head_dim_compiled(hd)) { s += (s.empty() ? "" : ", ") + std::to_string(hd); }
+  }
+  return s.empty() ? "none" : s;
+}
+
+DeviceInfo device_info(at::Device device) {
+  DeviceInfo info;
+  if (!device.is_cuda()) {
+    info.name = "cpu";
+    info.processors = at::get_num_threads();
+    return info;
+  }
+#if defined(FLASH_EXT_WITH_CUDA)
+  cudaDeviceProp const* prop = at::cuda::getDeviceProperties(device.index());
+  info.cuda = true;
+  info.cc_major = prop->major, info.cc_minor = prop->minor;
+  info.processors = prop->multiProcessorCount;
+  info.smem_per_block_optin = int(prop->sharedMemPerBlockOptin);
+  info.name = std::string(prop->name) + ", sm_" + std::to_string(prop->major * 10 + prop->minor);
+#else
+  info.name = device.str();
+#endif
+  return info;
+}
+
+bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen,
+               bool kv_cache, bool paged_varlen, bool any_head_dim) {
+  int64_t const rank = varlen ? 3 : 4;
+  int64_t const kv_rank = varlen && !paged_varlen ? 3 : 4;
+  std::string const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
+  std::string const kv_rule = paged_varlen ? "must be (num_pages, page_size, heads_k, head_dim) with block_table"
+                              : varlen     ? "must be (total_k, heads_k, head_dim)"
+                              : kv_cache   ? "must be (batch_cache, seqlen_cache, heads_k, head_dim) or pages"
+                                           : "must be (batch, seqlen_k, heads_k, head_dim)";
+  std::string const kname = kv_cache ? "k_cache" : "k", vname = kv_cache ? "v_cache" : "v";
+  c.require(q.dim() == rank, "q", std::to_string(q.dim()) + " dims " + str(q.sizes()), q_rule);
+  c.require(k.dim() == kv_rank, kname, std::to_string(k.dim()) + " dims " + str(k.sizes()), kv_rule);
+  c.require(v.dim() == kv_rank, vname, std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
+  auto const dt = q.scalar_type();
+  bool const dtype_ok = dt == at::kHalf || dt == at::kBFloat16 || (dt == at::kFloat && q.device().is_cpu());
+  c.require(dtype_ok, "q.dtype", str(dt), q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
+  c.require(k.scalar_type() == dt && v.scalar_type() == dt, kname + ".dtype/" + vname + ".dtype",
+            str(k.scalar_type()) + "/" + str(v.scalar_type()), "must equal q.dtype (" + str(dt) + ")");
+  c.require(k.device() == q.device() && v.device() == q.device(), kname + ".device/" + vname + ".device",
+            str(k.device()) + "/" + str(v.device()), "must equal q.device (" + str(q.device()) + ")");
+  for (auto const& [name, t] : {std::pair{std::string("q"), &q}, std::pair{kname, &k}, std::pair{vname, &v}}) {
+    if (t->dim() >= 1) {
+      c.require(t->stride(-1) == 1 || t->size(-1) <= 1, name + ".stride(-1)", std::to_string(t->stride(-1)),
+                "the last dimension must be contiguous");
+    }
+  }
+  bool const ranks_ok = q.dim() == rank && k.dim() == kv_rank && v.dim() == kv_rank;
+  if (!ranks_ok) { return false; }
+  int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
+  c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
+  if (!any_head_dim) {
+    c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
+  }
+  int64_t const padded = (d + 7) / 8 * 8;
+  if (q.device().is_cpu() && d >= 1 && d <= 256 && host_head_dim_for(int(padded)) < 0) {
+    c.require(false, "head_dim", std::to_string(d),
+              "no CPU kernel for it in this build (compiled host head dims: " + host_head_dims_list() +
+                  "); rebuild with FLASH_EXT_HOST_HEADDIMS including a head dim >= " + std::to_string(d));
+  }
+  c.require(k.sizes() == v.sizes(), vname + ".shape", str(v.sizes()), "must equal " + kname + ".shape " + str(k.sizes()));
+  if (!varlen && !kv_cache) {
+    c.require(k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
+  }
+  c.require(k.size(-1) == d, kname + ".shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
+  c.require(hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", " + kname + " " + std::to_string(hk),
+            "q heads must be a multiple of k/v heads (MQA/GQA)");
+  return true;
+}
+
+void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
+                   int64_t window_left, int64_t window_right, double softcap,
+                   std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  c.require(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
+            "must be 0 (heuristic), 1 (no split) or a split count up to " + std::to_string(kMaxSplits));
+  c.require(window_left >= -1, "window_size[0]", std::to_string(window_left), "must be >= -1 (-1: unbounded)");
+  c.require(window_right >= -1, "window_size[1]", std::to_string(window_right), "must be >= -1 (-1: unbounded)");
+  c.require(softcap >= 0 && std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite and >= 0 (0: off)");
+  // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
+  c.require(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale", std::to_string(softmax_scale),
+            "must be finite and > 0");
+  if (alibi_slopes.has_value()) {
+    auto const& a = *alibi_slopes;
+    bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == heads);
+    c.require(shape_ok || heads < 0, "alibi_slopes.shape", str(a.sizes()),
+              "must be (heads,) = (" + std::to_string(heads) + ",) or (batch, heads) = (" + std::to_string(batch) + ", " +
+                  std::to_string(heads) + ")");
+    c.require(a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
+    c.require(a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
+  }
+}
+
+void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::string const& what, int64_t rows,
+                   int64_t num_splits) {
+  c.require(seqlen_q + seqlen_k <= kMaxLengthSum, what,
+            "seqlen_q " + std::to_string(seqlen_q) + " + seqlen_k " + std::to_string(seqlen_k),
+            "the sum must be <= " + std::to_string(kMaxLengthSum) + ": the kernels index rows and keys with 32-bit ints");
+  c.require(num_splits <= 1 || rows <= INT32_MAX, "num_splits", std::to_string(num_splits) + " with " +
+            std::to_string(rows) + " query rows", "split-KV partials are addressed with 32-bit rows: at most " +
+            std::to_string(INT32_MAX) + " rows (use num_splits=0 or 1)");
+}
+
+void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                   double softcap, std::optional<at::Tensor> const& alibi_slopes) {
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  if (softcap > 0) {
+    p.softcap_prescale = float(softmax_scale / softcap);
+    p.score_scale = float(softcap);
+  } else {
+    p.score_scale = float(softmax_scale);
+  }
+  p.score_scale_log2 = float(double(p.score_scale) * M_LOG2E);
+
+  // A side that bounds nothing becomes -1, so the cheaper kernel runs: the left bound i + sk - sq - left is
+  // <= 0 for every row when left >= sk - 1, the right bound i + sk - sq + right >= sk - 1 for every row
+  // when right >= sq - 1.  (flash_attn 2.8 uses right >= sk, which also drops keys the window hides when
+  // sq > sk + 1; the documented rule is kept here.)  For varlen, sq and sk are the maxima: still exact.
+  // Both sides are then below the lengths, which check_lengths keeps in int range.  causal is window
+  // (-1, 0) (a finite left window with causal makes a local problem).  With one query row, bottom-right
+  // causal shows every key.
+  if (window_left >= std::max(p.seqlen_k - 1, 0)) { window_left = -1; }
+  if (window_right >= std::max(p.seqlen_q - 1, 0)) { window_right = -1; }
+  if (causal) { window_right = 0; }
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.is_causal = window_left < 0 && window_right == 0;
+  if (p.is_causal && p.seqlen_q == 1) {
+    p.is_causal = false;
+    p.window_right = -1;
+  }
+  p.is_local = !p.is_causal && (p.window_left >= 0 || p.window_right >= 0);
+
+  if (alibi_slopes.has_value()) {
+    p.alibi_slopes_ptr = alibi_slopes->data_ptr<float>();
+    p.alibi_slopes_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  }
+}
+
+KernelInputs prepare_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                            at::Tensor& out, at::Tensor& lse, std::optional<at::Tensor> const& alibi_slopes) {
+  if (poison_outputs()) {
+    out.fill_(NAN);
+    lse.fill_(NAN);
+  }
+  KernelInputs in{aligned_for_kernel(q), aligned_for_kernel(k), aligned_for_kernel(v), std::nullopt};
+  if (alibi_slopes.has_value()) { in.alibi = alibi_slopes->contiguous(); }
+  set_inputs(p, in.q, in.k, in.v);
+  set_outputs(p, out, lse);
+  return in;
+}
+
+std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q, int64_t requested, int64_t accum_rows,
+                                              bool allocate) {
+  p.num_splits = 1;
+  if (requested > 1) {
+    p.num_splits = int(requested);
+  } else if (requested == 0) {
+    DeviceInfo const dev = device_info(q.device());
+    TileChoice const t = choose_tile(p, q, dev);
+    if (t.ok) {
+      int const ctas = p.b * p.h * ceil_div(p.seqlen_q, t.block_m);
+      p.num_splits = num_splits_heuristic(ctas, dev.processors, ceil_div(p.seqlen_k, t.block_n), int(kMaxSplits));
+    }
+  }
+  // The partials are addressed with int rows (accum_rows); a problem with more rows runs unsplit (forced
+  // splits of such a problem are refused by the ops before this point).
+  if (accum_rows > INT32_MAX) { p.num_splits = 1; }
+  if (p.num_splits == 1 || !allocate) { return {}; }
+  auto const opts = q.options().dtype(at::kFloat);
+  at::Tensor oaccum = at::empty({p.num_splits, p.h, accum_rows, p.d}, opts);
+  at::Tensor lseaccum = at::empty({p.num_splits, p.h, accum_rows}, opts);
+  if (poison_outputs()) {  // every partial must be written, empty splits too
+    oaccum.fill_(NAN);
+    lseaccum.fill_(NAN);
+  }
+  p.accum_rows = int(accum_rows);
+  p.oaccum_ptr = oaccum.data_ptr<float>();
+  p.lseaccum_ptr = lseaccum.data_ptr<float>();
+  return {oaccum, lseaccum};
+}
+
+bool set_poison_outputs(bool enable) { return g_poison_outputs.exchange(enable); }
+bool poison_outputs() { return g_poison_outputs.load(std::memory_order_relaxed); }
+
+Plan make_plan(FwdParams const& p, at::Tensor const& q) {
+  Plan plan;
+  DeviceInfo const dev = device_info(q.device());
+  plan.device = q.device().str() + (dev.cuda ? " (" + dev.name + ")" : "");
+  plan.backend = dev.cuda ? "Sm80 traits (CUDA)" : "host traits (CPU)";
+  TileChoice const t = choose_tile(p, q, dev);
+  plan.ok = t.ok;
+  if (!t.why.empty()) { plan.reasons.push_back(t.why); }
+  plan.head_dim = p.d, plan.head_dim_tile = t.head_dim, plan.block_m = t.block_m, plan.block_n = t.block_n;
+  plan.threads_per_cta = t.threads, plan.smem_bytes = t.smem, plan.variant = t.variant;
+  plan.num_splits = p.num_splits;
+  plan.varlen = p.cu_seqlens_q != nullptr;
+  if (t.ok) {
+    ProblemFlags const f = problem_flags(p, t.block_m, t.block_n, t.head_dim);
+    plan.even_mn = f.even_mn, plan.even_k = f.even_k;
+    plan.grid[0] = ceil_div(p.seqlen_q, t.block_m), plan.grid[1] = p.b, plan.grid[2] = int64_t(p.h) * p.num_splits;
+  }
+  plan.causal = p.is_causal, plan.local = p.is_local, plan.alibi = p.alibi_slopes_ptr != nullptr;
+  plan.softcap = p.softcap > 0;
+  plan.window_left = p.window_left, plan.window_right = p.window_right;
+
+  // HBM traffic estimate.  flash_ext reads Q once and K/V once per query block of each head (an upper bound:
+  // L2 absorbs some), about half of that under a causal mask, and writes O and the fp32 LSE; split-KV adds
+  // the fp32 partials written and read back.  Attention that materialises the scores writes and reads back
+  // S and P (b * h * sq * sk elements each).  For varlen the lengths are the maxima.
+  int64_t const e = q.element_size(), b = p.b, h = p.h, hk = p.h_k, d = p.d, sq = p.seqlen_q, sk = p.seqlen_k;
+  int64_t const qo = 2 * b * sq * h * d * e + b * h * sq * 4;
+  int64_t const kv = 2 * b * sk * hk * d * e;
+  double const m_blocks = t.block_m ? std::max<double>(1, ceil_div(int(sq), t.block_m) * (p.is_causal ? 0.5 : 1.0)) : 1;
+  plan.hbm_bytes = qo + int64_t(double(kv) * double(h / hk) * m_blocks);
+  if (p.num_splits > 1) { plan.hbm_bytes += 2 * int64_t(p.num_splits) * b * h * sq * (d + 1) * 4; }
+  plan.naive_hbm_bytes = qo + kv + 4 * b * h * sq * sk * e;
+  return plan;
+}
+
+std::string plan_to_json(Plan const& plan) {
+  std::ostringstream os;
+  auto b = [](bool x) { return x ? "true" : "false"; };
+  os << "{\"ok\": " << b(plan.ok) << ", \"reasons\": [";
+  for (size_t i = 0; i < plan.reasons.size(); ++i) { os << (i ? ", " : "") << "\"" << json_escape(plan.reasons[i]) << "\""; }
+  os << "], \"device\": \"" << json_escape(plan.device) << "\", \"backend\": \"" << plan.backend << "\""
+     << ", \"head_dim\": " << plan.head_dim << ", \"head_dim_tile\": " << plan.head_dim_tile
+     << ", \"block_m\": " << plan.block_m << ", \"block_n\": " << plan.block_n
+     << ", \"threads_per_cta\": " << plan.threads_per_cta << ", \"smem_bytes\": " << plan.smem_bytes
+     << ", \"variant\": \"" << plan.variant << "\", \"grid\": [" << plan.grid[0] << ", " << plan.grid[1] << ", "
+     << plan.grid[2] << "], \"num_splits\": " << plan.num_splits << ", \"varlen\": " << b(plan.varlen)
+     << ", \"flags\": {\"even_mn\": " << b(plan.even_mn) << ", \"even_k\": " << b(plan.even_k)
+     << ", \"causal\": " << b(plan.causal) << ", \"local\": " << b(plan.local) << ", \"alibi\": " << b(plan.alibi)
+     << ", \"softcap\": " << b(plan.softcap) << ", \"split\": " << b(plan.num_splits > 1) << "}, \"window\": ["
+     << plan.window_left << ", " << plan.window_right << "], \"hbm_bytes\": " << plan.hbm_bytes
+     << ", \"naive_hbm_bytes\": " << plan.naive_hbm_bytes << "}";
+  return os.str();
+}
+
+void launch(FwdParams const& params, at::Tensor const& q, char const* op) {
+  static bool const log = [] {
+    char const* e = std::getenv("FLASH_EXT_LOG");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  if (log) { std::fprintf(stderr, "[flash_ext] %s %s\n", op, plan_to_json(make_plan(params, q)).c_str()); }
+  if (q.device().is_cpu()) {
+    run_fwd_cpu(params, to_dtype(q.scalar_type()));
+    return;
+  }
+#if defined(FLASH_EXT_WITH_CUDA)
+  c10::cuda::CUDAGuard guard(q.device());
+  DeviceInfo const dev = device_info(q.device());
+  std::string const err = run_fwd_cuda(params, to_dtype(q.scalar_type()), dev.cc_major, dev.cc_minor,
+                                       dev.smem_per_block_optin, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err.empty(), op, " (CUDA): ", err);
+#else
+  TORCH_CHECK(false, op, ": flash_ext was built without CUDA; rebuild with a CUDA toolkit or pass CPU tensors");
+#endif
+}
+
+bool swap_query_groups(at::Tensor const& q, at::Tensor const& k, int64_t window_left, int64_t seqlen_k,
+                       std::optional<at::Tensor> const& alibi_slopes) {
+  return q.dim() == 4 && q.size(1) == 1 && q.size(2) > k.size(2) && !alibi_slopes.has_value() &&
+         (window_left < 0 || window_left >= seqlen_k - 1);
+}
+
+at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k) {
+  int64_t const b = q.size(0), h = q.size(2), d = q.size(3);
+  return q.reshape({b, h_k, h / h_k, d}).transpose(1, 2);
+}
+
+std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Tensor> const& r) {
+  auto const& [out, lse] = r;
+  int64_t const b = out.size(0), g = out.size(1), hk = out.size(2), d = out.size(3);
+  return {out.transpose(1, 2).reshape({b, 1, hk * g, d}), lse.reshape({b, hk * g, 1})};
+}
+
+}  // namespace flash_ext::ops

@@ -1,0 +1,139 @@
+// What every op of the torch layer shares: argument checking that reports every unmet requirement at once,
+// the FA2 2.8 argument semantics (window normalisation, score domain), tensor layouts into FwdParams, the
+// split-KV decision, the one place that asks the CUDA device for its properties, output poisoning for tests,
+// and the launch into the CPU or CUDA backend.  The op families (fwd.cpp, varlen.cpp, kvcache.cpp) are thin:
+// check, allocate, fill params, launch.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flash_ext/fwd_api.h"
+#include "flash_ext/params.h"
+
+namespace flash_ext::ops {
+
+inline constexpr int64_t kMaxSplits = 128;
+
+// The kernels index rows and keys with 32-bit ints (tile arithmetic like m_block * kBlockM + kBlockM and
+// the diagonal i + seqlen_k - seqlen_q + window_right stay below seqlen_q + seqlen_k + 512).  Problems whose
+// lengths could overflow that are refused, never truncated.
+inline constexpr int64_t kMaxLengthSum = (int64_t(1) << 31) - 1024;
+
+// Collects every unmet requirement so the caller sees all of them in one error.
+class ArgChecker {
+ public:
+  explicit ArgChecker(std::string op) : op_(std::move(op)) {}
+  void require(bool ok, std::string const& arg, std::string const& got, std::string const& rule) {
+    if (!ok) { errors_.push_back(arg + ": got " + got + "; " + rule); }
+  }
+  // Throws one ValueError listing every requirement that failed so far.
+  void raise_if_any() const;
+  std::vector<std::string> const& errors() const { return errors_; }
+  std::string const& op() const { return op_; }
+
+ private:
+  std::string op_;
+  std::vector<std::string> errors_;
+};
+
+std::string str(at::IntArrayRef a);
+std::string str(at::ScalarType t);
+std::string str(at::Device d);
+DType to_dtype(at::ScalarType t);
+
+// The facts about the device a call runs on that the dispatcher and the split heuristic need.  On CUDA this is
+// the only code that queries the device: ATen caches the properties per device, so a call costs no driver
+// round trip (cudaGetDeviceProperties costs about a millisecond, more than a decode step's kernel).
+struct DeviceInfo {
+  bool cuda = false;
+  int cc_major = 0, cc_minor = 0;
+  int processors = 1;       // SMs on CUDA, at::get_num_threads() on the CPU
+  int smem_per_block_optin = 0;
+  std::string name;         // "cpu" or "<GPU name>, sm_XY"
+};
+DeviceInfo device_info(at::Device device);
+
+// q/k/v ranks, dtypes, devices, strides, head dims and heads.  Returns false if the ranks are wrong (later
+// shape checks would be meaningless).  kv_cache: k/v are (batch_cache or num_pages, rows, heads_k, head_dim),
+// not indexed by q's batch.  paged_varlen: varlen q with k/v as pages (num_pages, page_size, heads_k, d).
+// any_head_dim: the op pads head dims that are not a multiple of 8 itself (the KV-cache op).
+bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen,
+               bool kv_cache = false, bool paged_varlen = false, bool any_head_dim = false);
+
+// Scale, window, softcap, ALiBi and num_splits rules.  batch/heads < 0: not known (shape errors elsewhere).
+void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
+                   int64_t window_left, int64_t window_right, double softcap,
+                   std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits);
+
+// seqlen_q + seqlen_k must leave the kernels' 32-bit row/key arithmetic room (kMaxLengthSum); with forced
+// split-KV the partial accumulators' rows (b * seqlen_q, or total_q) must fit an int too.  `what` names the
+// arguments the lengths come from.
+void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::string const& what, int64_t rows = 0,
+                   int64_t num_splits = 1);
+
+// Score domain, FA2 2.8 window semantics and ALiBi.  Needs p.seqlen_q/p.seqlen_k (maxima for varlen).
+void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                   double softcap, std::optional<at::Tensor> const& alibi_slopes);
+
+// Tensors a launch reads, kept alive until it returns: CUDA inputs realigned where needed (copies),
+// contiguous ALiBi slopes.  prepare_inputs also poisons the outputs in test mode and records every layout.
+struct KernelInputs {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> alibi;
+};
+KernelInputs prepare_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                            at::Tensor& out, at::Tensor& lse, std::optional<at::Tensor> const& alibi_slopes);
+
+// num_splits: 0 = heuristic (dispatch.h), 1 = off, > 1 = forced.  With more than one split, allocates the
+// fp32 partial accumulators (returned to keep them alive for the launch; poisoned in test mode).  Needs
+// p.b/h/d/seqlen_q/seqlen_k; accum_rows is b * seqlen_q, or total_q for varlen.
+std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q, int64_t requested,
+                                              int64_t accum_rows, bool allocate = true);
+
+// Test mode: outputs (and split partials) are filled with NaN before a kernel runs, so an element a kernel
+// forgets to write fails the comparison.  Returns the previous setting.
+bool set_poison_outputs(bool enable);
+bool poison_outputs();
+
+// What would run for these params: backend, tile, the flags the kernel is specialised on, variant, shared
+// memory, grid, estimated HBM traffic; or ok=false with the reasons.  Runs nothing.
+struct Plan {
+  bool ok = true;
+  std::vector<std::string> reasons;
+  std::string device, backend, variant;
+  int head_dim = 0, head_dim_tile = 0, block_m = 0, block_n = 0, threads_per_cta = 0, smem_bytes = 0;
+  int64_t grid[3] = {0, 0, 0};
+  int num_splits = 1;
+  bool varlen = false;
+  bool even_mn = false, even_k = false, causal = false, local = false, alibi = false, softcap = false;
+  int window_left = -1, window_right = -1;
+  int64_t hbm_bytes = 0, naive_hbm_bytes = 0;  // estimates: flash_ext vs attention materialising S and P
+};
+Plan make_plan(FwdParams const& p, at::Tensor const& q);
+std::string plan_to_json(Plan const& plan);
+
+// Runs the kernel for params on q's device (CPU backend or CUDA), logging the plan with FLASH_EXT_LOG=1.
+void launch(FwdParams const& params, at::Tensor const& q, char const* op);
+
+// Decode with grouped heads: one query row per sequence and g = h / h_k query heads per K/V head.  Viewing
+// the g query heads of a group as g query rows of one head (flash_attn's "seqlenq_ngroups_swapped") fills
+// the M tile with g real rows instead of 1 and reads each K/V tile once per group instead of g times.
+// Exact without ALiBi (slopes differ per query head) and without a left window (the rows would get
+// different diagonals); a one-row causal mask shows every key anyway.
+bool swap_query_groups(at::Tensor const& q, at::Tensor const& k, int64_t window_left, int64_t seqlen_k,
+                       std::optional<at::Tensor> const& alibi_slopes);
+// (b, 1, h, d) -> (b, g, h_k, d): query head kh * g + i becomes row i of head kh.
+at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k);
+// The inverse for the results: out (b, g, h_k, d) -> (b, 1, h, d), lse (b, h_k, g) -> (b, h, 1).
+std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Tensor> const& r);
+
+// The host head dims this build compiled (FLASH_EXT_HOST_HEADDIMS), comma-separated.
+std::string host_head_dims_list();
+
+}  // namespace flash_ext::ops

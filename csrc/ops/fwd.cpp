@@ -1,0 +1,97 @@
+// flash_ext::fwd — fixed-length batches: q (b, sq, h, d), k/v (b, sk, h_k, d).
+#include <torch/library.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace flash_ext::ops {
+
+namespace {
+
+// Every check of fwd; returns whether the shapes were readable (later steps need them).
+bool check_fwd(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
+               int64_t window_left, int64_t window_right, double softcap,
+               std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
+  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
+                window_right, softcap, alibi_slopes, num_splits);
+  if (shapes_ok) {
+    check_lengths(c, q.size(1), k.size(1), "q.shape[1]/k.shape[1]", q.size(0) * q.size(1), num_splits);
+  }
+  return shapes_ok;
+}
+
+// Params of a checked fwd problem (layouts, lengths, semantics); outputs and split accumulators excluded.
+void fill_params(FwdParams& p, at::Tensor const& q, at::Tensor const& k, double softmax_scale, bool causal,
+                 int64_t window_left, int64_t window_right, double softcap,
+                 std::optional<at::Tensor> const& alibi_slopes) {
+  p.b = int(q.size(0));
+  p.seqlen_q = int(q.size(1));
+  p.seqlen_k = int(k.size(1));
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                       double softmax_scale, bool causal, int64_t window_left,
+                                       int64_t window_right, double softcap,
+                                       std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  ArgChecker c("flash_ext.fwd");
+  check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits);
+  c.raise_if_any();
+  if (swap_query_groups(q, k, window_left, k.size(1), alibi_slopes)) {
+    return rows_as_groups(fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, /*causal=*/false, -1, -1, softcap,
+                              alibi_slopes, num_splits));
+  }
+  int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3), sk = k.size(1);
+  at::Tensor out = at::empty({b, sq, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) { return {out, lse}; }
+  if (sk == 0) {  // no key at all: every row is empty
+    out.zero_();
+    lse.fill_(INFINITY);
+    return {out, lse};
+  }
+  FwdParams p;
+  KernelInputs const in = prepare_inputs(p, q, k, v, out, lse, alibi_slopes);
+  fill_params(p, q, k, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
+  auto const accum = set_splits(p, in.q, num_splits, b * sq);
+  launch(p, q, "flash_ext.fwd");
+  return {out, lse};
+}
+
+Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
+              int64_t window_left, int64_t window_right, double softcap,
+              std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  ArgChecker c("flash_ext.fwd");
+  check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits);
+  if (!c.errors().empty()) {
+    Plan plan;
+    plan.ok = false;
+    plan.reasons = c.errors();
+    return plan;
+  }
+  if (swap_query_groups(q, k, window_left, k.size(1), alibi_slopes)) {
+    return plan_fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, false, -1, -1, softcap, alibi_slopes, num_splits);
+  }
+  FwdParams p;
+  p.h = int(q.size(2)), p.d = int(q.size(3)), p.h_k = int(k.size(2)), p.h_h_k_ratio = p.h / p.h_k;
+  fill_params(p, q, k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
+  set_splits(p, q, num_splits, int64_t(p.b) * p.seqlen_q, /*allocate=*/false);
+  return make_plan(p, q);
+}
+
+TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
+      "float softcap, Tensor? alibi_slopes, int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_ext, CPU, m) { m.impl("fwd", &fwd); }
+
+#if defined(FLASH_EXT_WITH_CUDA)
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("fwd", &fwd); }
+#endif
+
+}  // namespace flash_ext::ops

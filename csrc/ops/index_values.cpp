@@ -1,0 +1,101 @@
+#include "index_values.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+
+#if defined(FLASH_EXT_WITH_CUDA)
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
+namespace flash_ext::ops {
+
+namespace {
+std::atomic<int64_t> g_index_reads{0};
+
+bool trust_index_values_on_cuda() {
+  static bool const trust = [] {
+    char const* e = std::getenv("FLASH_EXT_TRUST_CU_SEQLENS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  return trust;
+}
+}  // namespace
+
+int64_t index_reads() { return g_index_reads.load(); }
+
+int IndexValues::add(std::optional<at::Tensor> const& t) {
+  int64_t const start = offset_.empty() ? 0 : offset_.back() + numel_.back();
+  offset_.push_back(start);
+  numel_.push_back(t.has_value() ? t->numel() : 0);
+  if (t.has_value() && t->numel() > 0) { tensors_.push_back(t->reshape({-1})); }
+  return int(offset_.size()) - 1;
+}
+
+bool IndexValues::read(at::Device device) {
+  if (device.is_cuda()) {
+    if (trust_index_values_on_cuda()) { return false; }
+#if defined(FLASH_EXT_WITH_CUDA)
+    if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) { return false; }
+#endif
+  }
+  g_index_reads.fetch_add(1);
+  if (tensors_.empty()) { return true; }
+  at::Tensor const all = tensors_.size() == 1 ? tensors_[0] : at::cat(tensors_);
+  host_ = all.to(at::kCPU).contiguous();  // the one device-to-host copy (a no-op on the CPU)
+  host_ptr_ = host_.data_ptr<int>();
+  return true;
+}
+
+bool check_index_tensor(ArgChecker& c, std::optional<at::Tensor> const& t, char const* name, int64_t rank,
+                        int64_t batch, at::Device device, char const* device_owner) {
+  if (!t.has_value()) { return true; }
+  bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == device &&
+                  (batch < 0 || t->size(0) == batch);
+  c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+            "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(batch) +
+                ") rows on " + device_owner + "'s device");
+  return ok;
+}
+
+void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper, std::string const& what) {
+  int64_t bad = -1;
+  for (int64_t i = 0; i < n && bad < 0; ++i) {
+    if (v[i] < 0 || v[i] >= upper) { bad = i; }
+  }
+  c.require(bad < 0, name, bad < 0 ? "" : "value " + std::to_string(v[bad]) + " at index " + std::to_string(bad),
+            "must index " + what + " [0, " + std::to_string(upper) + ")");
+}
+
+void check_cu_seqlens_values(ArgChecker& c, int const* x, int64_t n, char const* name, int64_t total, bool total_exact,
+                             int64_t max_seqlen, char const* max_name) {
+  c.require(x[0] == 0, std::string(name) + "[0]", std::to_string(x[0]), "must be 0");
+  int64_t first_drop = -1, longest = 0;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    if (x[i + 1] < x[i] && first_drop < 0) { first_drop = i + 1; }
+    longest = std::max<int64_t>(longest, int64_t(x[i + 1]) - x[i]);
+  }
+  c.require(first_drop < 0, name, "a decrease at index " + std::to_string(first_drop), "must be non-decreasing");
+  bool const total_ok = total_exact ? x[n - 1] == total : (x[n - 1] >= 0 && x[n - 1] <= total);
+  c.require(total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
+            std::string(total_exact ? "must equal " : "must be <= ") + "the number of rows " + std::to_string(total));
+  c.require(longest <= max_seqlen, max_name, std::to_string(max_seqlen),
+            "must be >= the longest sequence in " + std::string(name) + " (" + std::to_string(longest) + ")");
+}
+
+void check_pages(ArgChecker& c, int const* table, int64_t width, int64_t batch, int64_t page_size, int64_t num_pages,
+                 char const* which, std::string const& pages_of,
+                 std::function<std::pair<int64_t, int64_t>(int64_t)> const& rows) {
+  int64_t bad = -1;
+  for (int64_t i = 0; i < batch && bad < 0; ++i) {
+    auto const [begin, end] = rows(i);
+    for (int64_t j = std::max<int64_t>(begin, 0) / page_size; j < std::min(width, (end + page_size - 1) / page_size); ++j) {
+      int const page = table[i * width + j];
+      if (page < 0 || page >= num_pages) { bad = i; }
+    }
+  }
+  c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
+            std::string(which) + " must index " + pages_of + " pages [0, " + std::to_string(num_pages) + ")");
+}
+
+}  // namespace flash_ext::ops

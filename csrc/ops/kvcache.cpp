@@ -1,0 +1,217 @@
+// flash_ext::kvcache_fwd — flash_attn_with_kvcache as ONE op: append the new keys/values (already rotated by
+// the Python layer) to the cache in place, then attend.  Every check of the whole call — shapes, options,
+// and every index value (cache lengths, batch indices, left padding, pages, rotary coverage) — runs before
+// the first write, so a refused call leaves the cache bit-identical (flash_attn validates everything first).
+// Being one op with the mutation declared in its schema keeps a decode step one graph under torch.compile.
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+
+#include "common.h"
+#include "index_values.h"
+
+namespace flash_ext::ops {
+
+namespace {
+
+struct CacheIndices {
+  at::Tensor seqlens;  // int32 (b,): keys visible to entry i: [leftpad[i], seqlens[i])
+  std::optional<at::Tensor> batch_idx, leftpad, block_table;
+  int64_t capacity = 0, page_size = 0;
+};
+
+// Attention of q against a cache whose new rows are in place; no checks (kvcache_fwd made them).
+std::tuple<at::Tensor, at::Tensor> attend(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
+                                          CacheIndices const& ix, double softmax_scale, bool causal,
+                                          int64_t window_left, int64_t window_right, double softcap,
+                                          std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  int64_t const d = q.size(3);
+  if (d % 8 != 0) {  // the kernels move 8-element vectors: zero head-dim padding changes no dot product
+    int64_t const pad = 8 - d % 8;
+    auto [out, lse] = attend(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(k_cache, {0, pad}),
+                             at::constant_pad_nd(v_cache, {0, pad}), ix, softmax_scale, causal, window_left,
+                             window_right, softcap, alibi_slopes, num_splits);
+    return {out.narrow(3, 0, d).contiguous(), lse};
+  }
+  if (swap_query_groups(q, k_cache, window_left, ix.capacity, alibi_slopes)) {
+    return rows_as_groups(attend(groups_as_rows(q, k_cache.size(2)), k_cache, v_cache, ix, softmax_scale,
+                                 /*causal=*/false, -1, -1, softcap, alibi_slopes, num_splits));
+  }
+  int64_t const b = q.size(0), sq = q.size(1), h = q.size(2);
+  at::Tensor out = at::empty({b, sq, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) { return {out, lse}; }
+  // seqused_k = keys per entry after the append, counted from the left padding.
+  at::Tensor const used = (ix.leftpad.has_value() ? ix.seqlens - *ix.leftpad : ix.seqlens).to(at::kInt).contiguous();
+  std::optional<at::Tensor> idx, pad, table;
+  if (ix.batch_idx.has_value()) { idx = ix.batch_idx->contiguous(); }
+  if (ix.leftpad.has_value()) { pad = ix.leftpad->contiguous(); }
+  if (ix.block_table.has_value()) { table = ix.block_table->contiguous(); }
+  FwdParams p;
+  KernelInputs const in = prepare_inputs(p, q, k_cache, v_cache, out, lse, alibi_slopes);
+  p.b = int(b);
+  p.seqlen_q = int(sq);
+  p.seqlen_k = int(std::max<int64_t>(ix.capacity, 1));  // an upper bound: per-entry key counts are in seqused_k
+  p.seqused_k = used.data_ptr<int>();
+  p.kv_batch_idx = idx.has_value() ? idx->data_ptr<int>() : nullptr;
+  p.leftpad_k = pad.has_value() ? pad->data_ptr<int>() : nullptr;
+  if (table.has_value()) {
+    p.block_table = table->data_ptr<int>();
+    p.block_table_batch_stride = table->stride(0);
+    p.page_size = int(ix.page_size);
+  }
+  set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
+  auto const accum = set_splits(p, in.q, num_splits, b * sq);
+  launch(p, q, "flash_ext.kvcache_fwd");
+  return {out, lse};
+}
+
+// Rows cache_seqlens[i] .. cache_seqlens[i] + seqlen_new of entry i's cache (cache batch cache_batch_idx[i],
+// or its pages) receive k[i] and v[i].  The cache is plain storage: no autograd history is recorded into it.
+void append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& k, at::Tensor const& v,
+            at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+            std::optional<at::Tensor> const& block_table, int64_t page_size) {
+  at::NoGradGuard no_grad;
+  int64_t const b = k.size(0), seqlen_new = k.size(1);
+  if (b == 0 || seqlen_new == 0) { return; }
+  auto const long_opts = cache_seqlens.options().dtype(at::kLong);
+  at::Tensor const pos = cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(seqlen_new, long_opts).unsqueeze(0);  // (b, seqlen_new)
+  if (block_table.has_value()) {
+    at::Tensor const page = block_table->to(at::kLong).gather(1, at::div(pos, page_size, "floor"));
+    at::Tensor const row = at::remainder(pos, page_size);
+    k_cache.index_put_({page, row}, k.detach());
+    v_cache.index_put_({page, row}, v.detach());
+  } else {
+    at::Tensor const batch = (cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(b, long_opts)).unsqueeze(1);
+    k_cache.index_put_({batch, pos}, k.detach());
+    v_cache.index_put_({batch, pos}, v.detach());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
+    at::Tensor const& q, at::Tensor& k_cache, at::Tensor& v_cache, std::optional<at::Tensor> const& k,
+    std::optional<at::Tensor> const& v, at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+    std::optional<at::Tensor> const& cache_leftpad, std::optional<at::Tensor> const& block_table, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
+    int64_t num_splits, int64_t rotary_len, int64_t rotary_rows) {
+  ArgChecker c("flash_ext.kvcache_fwd");
+  bool const shapes_ok = check_qkv(c, q, k_cache, v_cache, /*varlen=*/false, /*kv_cache=*/true,
+                                   /*paged_varlen=*/false, /*any_head_dim=*/true);
+  int64_t const b = shapes_ok ? q.size(0) : -1;
+  check_options(c, q, b, shapes_ok ? q.size(2) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                num_splits);
+
+  // New keys/values: both or neither, (batch, seqlen_new, heads_k, d) in the cache's dtype and device.
+  bool new_ok = k.has_value() == v.has_value();
+  c.require(new_ok, "k/v", k.has_value() ? "k without v" : "v without k", "must be given together (or neither)");
+  int64_t seqlen_new = 0;
+  if (new_ok && k.has_value()) {
+    bool const shape_ok = shapes_ok && k->dim() == 4 && v->sizes() == k->sizes() && k->size(0) == b &&
+                          k->size(2) == k_cache.size(2) && k->size(3) == k_cache.size(3);
+    c.require(shape_ok, "k/v", str(k->sizes()) + "/" + str(v->sizes()),
+              shapes_ok ? "must both be (batch=" + std::to_string(b) + ", seqlen_new, heads_k=" +
+                              std::to_string(k_cache.size(2)) + ", d=" + std::to_string(k_cache.size(3)) + ")"
+                        : "must both be (batch, seqlen_new, heads_k, d) like the cache");
+    c.require(k->scalar_type() == k_cache.scalar_type() && v->scalar_type() == k_cache.scalar_type(), "k/v.dtype",
+              str(k->scalar_type()) + "/" + str(v->scalar_type()), "must equal the cache's dtype (" +
+                  str(k_cache.scalar_type()) + ")");
+    c.require(k->device() == k_cache.device() && v->device() == k_cache.device(), "k/v.device",
+              str(k->device()) + "/" + str(v->device()), "must equal the cache's device (" + str(k_cache.device()) + ")");
+    new_ok = shape_ok;
+    seqlen_new = shape_ok ? k->size(1) : 0;
+  }
+
+  auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
+    return check_index_tensor(c, t, name, rank, b, q.device(), "q");
+  };
+  // & rather than &&: every malformed index tensor is reported, not just the first.
+  bool const idx_ok = index_ok(cache_seqlens, "cache_seqlens", 1) & index_ok(cache_batch_idx, "cache_batch_idx", 1) &
+                      index_ok(cache_leftpad, "cache_leftpad", 1) & index_ok(block_table, "block_table", 2);
+  bool const paged = block_table.has_value();
+  int64_t page_size = 0, capacity = 0;
+  if (shapes_ok) {
+    page_size = paged ? k_cache.size(1) : 0;
+    capacity = paged ? (block_table->dim() == 2 ? block_table->size(1) * page_size : 0) : k_cache.size(1);
+    if (paged) {
+      c.require(page_size % 128 == 0 && page_size > 0, "k_cache.shape[1] (page size)", std::to_string(page_size),
+                "must be a positive multiple of 128 with block_table");
+      c.require(!cache_leftpad.has_value(), "cache_leftpad", "given with block_table",
+                "left padding and paged KV cannot be combined");
+      c.require(!cache_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
+                "paged KV selects pages through block_table; cache_batch_idx must be None");
+    } else if (!cache_batch_idx.has_value()) {
+      // Entry i reads (and appends to) cache batch i.
+      c.require(k_cache.size(0) >= b, "k_cache.shape[0]", std::to_string(k_cache.size(0)) + " cache entries",
+                "must be >= q's batch " + std::to_string(b) + " without cache_batch_idx or block_table (entry i uses "
+                "cache entry i)");
+    }
+    check_lengths(c, q.size(1), capacity, "q.shape[1]/cache capacity", b * q.size(1), num_splits);
+  }
+
+  // Index values: one host read of all of them (on CUDA one copy; trusted while capturing).
+  IndexValues ix_values;
+  int const s_len = ix_values.add(idx_ok ? std::optional<at::Tensor>(cache_seqlens) : std::nullopt);
+  int const s_idx = ix_values.add(idx_ok ? cache_batch_idx : std::nullopt);
+  int const s_pad = ix_values.add(idx_ok ? cache_leftpad : std::nullopt);
+  int const s_table = ix_values.add(idx_ok ? block_table : std::nullopt);
+  if (shapes_ok && new_ok && idx_ok && ix_values.read(q.device())) {
+    int const* len = ix_values.values(s_len);
+    int const* pad = ix_values.values(s_pad);
+    int64_t bad_len = -1, bad_pad = -1, bad_rotary = -1;
+    auto leftpad = [&](int64_t i) -> int64_t { return pad ? pad[i] : 0; };
+    for (int64_t i = 0; i < b; ++i) {
+      int64_t const l = len[i], lp = leftpad(i);
+      if (bad_len < 0 && (l < 0 || l + seqlen_new > capacity)) { bad_len = i; }
+      // Only a given cache_leftpad can be wrong; a negative length is reported above.
+      if (bad_pad < 0 && pad && (lp < 0 || lp > l)) { bad_pad = i; }
+      if (bad_rotary < 0 && rotary_len >= 0 && l + rotary_rows > rotary_len) { bad_rotary = i; }
+    }
+    auto at_entry = [&](int64_t value, int64_t i) {
+      return std::to_string(value) + " at batch entry " + std::to_string(i);
+    };
+    c.require(bad_len < 0, "cache_seqlens", bad_len < 0 ? "" : at_entry(len[bad_len], bad_len),
+              "need 0 <= cache_seqlens and cache_seqlens + seqlen_new (" + std::to_string(seqlen_new) +
+                  ") <= the cache capacity " + std::to_string(capacity));
+    c.require(bad_pad < 0, "cache_leftpad", bad_pad < 0 ? "" : at_entry(leftpad(bad_pad), bad_pad),
+              "need 0 <= cache_leftpad <= cache_seqlens");
+    c.require(bad_rotary < 0, "rotary_cos/rotary_sin", std::to_string(rotary_len) + " positions",
+              "must cover positions cache_seqlens + [0, " + std::to_string(rotary_rows) + ") (batch entry " +
+                  std::to_string(bad_rotary) + " goes past them)");
+    if (cache_batch_idx.has_value()) {
+      check_index_range(c, ix_values.values(s_idx), b, "cache_batch_idx", k_cache.size(0), "k_cache's batch dimension");
+    }
+    if (paged && bad_len < 0) {
+      check_pages(c, ix_values.values(s_table), block_table->size(1), b, page_size, k_cache.size(0),
+                  "the pages in use", "k_cache's",
+                  [&](int64_t i) { return std::pair<int64_t, int64_t>{0, int64_t(len[i]) + seqlen_new}; });
+    }
+  }
+  c.raise_if_any();
+
+  if (k.has_value()) { append(k_cache, v_cache, *k, *v, cache_seqlens, cache_batch_idx, block_table, page_size); }
+  CacheIndices ix{seqlen_new ? cache_seqlens + int(seqlen_new) : cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, capacity, page_size};
+  return attend(q, k_cache, v_cache, ix, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                num_splits);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
+  m.def(
+      "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens, "
+      "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, bool causal, "
+      "int window_left, int window_right, float softcap, Tensor? alibi_slopes, int num_splits=0, int rotary_len=-1, "
+      "int rotary_rows=0) -> (Tensor out, Tensor softmax_lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_ext, CPU, m) { m.impl("kvcache_fwd", &kvcache_fwd); }
+
+#if defined(FLASH_EXT_WITH_CUDA)
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("kvcache_fwd", &kvcache_fwd); }
+#endif
+
+}  // namespace flash_ext::ops

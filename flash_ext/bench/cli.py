@@ -1,0 +1,105 @@
+"""The ``python -m flash_ext.bench`` command line: one parser for every mode, and the run/record/print loop."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+import flash_ext
+from .common import DTYPES, SDPA_BACKENDS, default_device, loadavg, metadata
+from .decode import run_decode
+from .fwd import run_fwd
+from .memory import run_memory
+from .plot import plot
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flash_ext.bench",
+        description="flash_ext benchmarks: forward TFLOP/s against torch SDPA backends and naive attention "
+                    "(fwd), or peak extra memory against seqlen (memory).  See the module docstring.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "memory", "decode"],
+                   help="what to measure (decode: GB/s of K/V read per decode step vs device copy and SDPA)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default: cuda if a GPU is visible and the build has CUDA kernels, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--seqlens", type=int, nargs="+", default=None, help="override the seqlen grid")
+    p.add_argument("--headdims", type=int, nargs="+", default=None, help="override the head dims (64 128)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="fixed batch (default: tokens // seqlen on CUDA, 1 on CPU)")
+    p.add_argument("--nheads", type=int, default=None,
+                   help="fixed head count (default: hidden // head_dim on CUDA, 8 on CPU; memory: 16 CUDA, 8 CPU)")
+    p.add_argument("--tokens", type=int, default=16384, help="CUDA fwd: batch * seqlen when --batch is not given")
+    p.add_argument("--hidden", type=int, default=2048, help="CUDA fwd: nheads * head_dim when --nheads is not given")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default=None,
+                   help="default: both for fwd, no for memory")
+    p.add_argument("--backends", nargs="+", choices=list(SDPA_BACKENDS), default=None,
+                   help="SDPA backends to time (default: all)")
+    p.add_argument("--no-naive", action="store_true", help="fwd: do not time the naive implementation")
+    p.add_argument("--sdpa-layout", choices=["bhsd", "bshd-view"], default="bhsd",
+                   help="inputs given to SDPA: contiguous (b,h,s,d) copies, or transposed views of flash_ext's")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default: CUDA 30, CPU 5)")
+    p.add_argument("--quick", action="store_true",
+                   help="fwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal)")
+    p.add_argument("--no-cross-check", action="store_true",
+                   help="memory on CPU: skip the torch.profiler allocation cross-check")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads(N) first (default: leave torch's default, which is printed)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write all results and metadata as JSON")
+    p.add_argument("--plot", metavar="PATH.png", default=None, help="plot the results (needs matplotlib)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.causal is None:
+        args.causal = "both" if args.mode == "fwd" else "no"
+    if args.device is None:
+        device = default_device()
+    else:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
+            return 2
+    build = flash_ext.build_info()
+    meta = metadata(device, args.mode, args)
+    print(f"flash_ext {meta['flash_ext_version']} ({meta['git_commit']}), torch {meta['torch_version']}, "
+          f"device {meta['device_name']}, threads {meta['num_threads']}, cpu capability {meta['cpu_capability']}, "
+          f"load average {meta['loadavg_start']}", flush=True)
+    if device.type == "cuda" and not build.get("cuda", False):
+        print("warning: this flash_ext build has no CUDA kernels; flash_ext rows will show ERR", flush=True)
+
+    runners = {"fwd": run_fwd, "memory": run_memory, "decode": run_decode}
+    result = runners[args.mode](args, device)
+    meta["loadavg_end"] = loadavg()
+    table = result.pop("_table")
+    rows = result.pop("_rows")
+
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, **result}, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    if args.plot and args.mode != "decode":
+        note = plot(args.mode, {"_rows": rows}, meta, args.plot)
+        print(note if note else f"wrote {args.plot}")
+
+    print()
+    for n in result.get("notes", []):
+        print(f"note: {n}")
+    if "method" in result:
+        print(f"method: {result['method']}")
+    print(f"load average start {meta['loadavg_start']} end {meta['loadavg_end']} "
+          f"({os.cpu_count()} logical CPUs; a load above that count means the timings were shared)")
+    print(table)
+    failed = any(r.check in ("FAIL", "ERR") for r in rows) if args.mode in ("fwd", "decode") else False
+    return 1 if failed else 0

@@ -1,0 +1,99 @@
+"""``decode`` mode: one query token per sequence against a KV cache; GB/s of K/V read per step."""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import flash_ext
+from .common import DTYPES, check_against_sdpa_math, fmt, format_table, free_device_memory, time_fn
+
+
+
+@dataclass
+class DecodeRow:
+    """One decode step (one query token per sequence) against a KV cache of seqlen_k keys."""
+
+    seqlen_k: int
+    kv_bytes: int
+    num_splits: int = 1
+    flash_s: Optional[float] = None
+    sdpa_s: Optional[float] = None
+    check: str = "-"
+    max_err: Optional[float] = None
+
+    @property
+    def flash_gbs(self) -> Optional[float]:
+        return self.kv_bytes / self.flash_s / 1e9 if self.flash_s else None
+
+    @property
+    def sdpa_gbs(self) -> Optional[float]:
+        return self.kv_bytes / self.sdpa_s / 1e9 if self.sdpa_s else None
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int, warmup: int, repeats: int) -> float:
+    """Device copy bandwidth, counting bytes read plus bytes written, measured in this run: the ceiling a
+    memory-bound decode step can approach."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = time_fn(lambda: dst.copy_(src), device, warmup, repeats)
+    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """GB/s of K/V read per decode step for flash_ext.flash_attn_with_kvcache (split-KV by the heuristic)
+    and torch SDPA (default backend choice, GQA), against the device copy bandwidth."""
+    cuda = device.type == "cuda"
+    b = args.batch or (8 if cuda else 1)
+    h = args.nheads or (32 if cuda else 8)
+    hk = max(1, h // 4)
+    d = (args.headdims or [128])[0]
+    seqlens = args.seqlens or ([4096, 8192, 16384, 32768, 65536, 131072] if cuda else [4096, 16384])
+    dtype = DTYPES[args.dtype]
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    repeats = args.repeats if args.repeats is not None else (30 if cuda else 5)
+    copy_gbs = copy_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
+    rows: List[DecodeRow] = []
+    for sk in seqlens:
+        row = DecodeRow(seqlen_k=sk, kv_bytes=2 * b * sk * hk * d * torch.tensor([], dtype=dtype).element_size())
+        q = torch.randn(b, 1, h, d, dtype=dtype, device=device)
+        k_cache = torch.randn(b, sk, hk, d, dtype=dtype, device=device)
+        v_cache = torch.randn(b, sk, hk, d, dtype=dtype, device=device)
+        plan = flash_ext.explain(q, k_cache, v_cache, verbose=False).plan
+        row.num_splits = plan.get("num_splits", 1)
+
+        def flash() -> torch.Tensor:
+            return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=sk)
+
+        qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+        out = flash()
+        ok, err, _ = check_against_sdpa_math(q, k_cache, v_cache, out, causal=False)
+        row.check, row.max_err = ("PASS" if ok else "FAIL"), err
+        if ok:
+            row.flash_s = statistics.median(time_fn(flash, device, warmup, repeats))
+        try:
+            row.sdpa_s = statistics.median(time_fn(sdpa, device, warmup, repeats))
+        except RuntimeError:
+            row.sdpa_s = None
+        rows.append(row)
+        print(f"  decode b={b} h={h} hk={hk} d={d} sk={sk}: splits {row.num_splits}, check {row.check}, "
+              f"flash_ext {fmt(row.flash_gbs)} GB/s, sdpa {fmt(row.sdpa_gbs)} GB/s", flush=True)
+        del q, k_cache, v_cache
+        free_device_memory(device)
+    headers = ["b", "h", "hk", "d", "seqlen_k", "splits", "flash GB/s", "sdpa GB/s", "copy GB/s", "flash/copy",
+               "flash/sdpa", "check"]
+    table_rows = [[str(b), str(h), str(hk), str(d), str(r.seqlen_k), str(r.num_splits), fmt(r.flash_gbs),
+                   fmt(r.sdpa_gbs), fmt(copy_gbs), fmt(r.flash_gbs / copy_gbs if r.flash_gbs else None),
+                   fmt(r.flash_gbs / r.sdpa_gbs if r.flash_gbs and r.sdpa_gbs else None), r.check] for r in rows]
+    return {"_table": format_table(headers, table_rows), "_rows": rows, "copy_gbs": copy_gbs,
+            "rows": [dict(seqlen_k=r.seqlen_k, num_splits=r.num_splits, flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs,
+                          check=r.check, max_err=r.max_err) for r in rows],
+            "method": "GB/s = bytes of K and V read / median step time; copy GB/s counts read + write"}
