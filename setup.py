@@ -44,11 +44,17 @@ from setuptools import setup  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 
-def include_dirs_or_exit() -> list[str]:
-    """One implementation of header discovery for setup.py and CMake: scripts/include_dirs.py."""
-    spec = importlib.util.spec_from_file_location("flash_ext_include_dirs", ROOT / "scripts" / "include_dirs.py")
+def load_script(name: str):
+    """A helper module of scripts/ (shared with CMake and the tests), loaded without making scripts/ a package."""
+    spec = importlib.util.spec_from_file_location(f"flash_ext_{name}", ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def include_dirs_or_exit() -> list[str]:
+    """One implementation of header discovery for setup.py and CMake: scripts/include_dirs.py."""
+    mod = load_script("include_dirs")
     try:
         return [str(d) for d in mod.all_includes()]
     except mod.HeaderError as e:
@@ -119,13 +125,7 @@ def build_extension():
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-diag-suppress=177"]
     if os.environ.get("FLASH_EXT_PTXAS_VERBOSE", "0") == "1":
         nvcc.append("-Xptxas=-v")
-    for a in archs:
-        nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    # SASS runs only on its own major arch (sm_80 SASS serves sm_86/sm_89 too); PTX of the newest listed arch
-    # lets the driver JIT-compile the kernels for newer GPUs (Blackwell sm_100/sm_120), as "+PTX" does in
-    # TORCH_CUDA_ARCH_LIST.  An arch-specific target ("90a") has no forward-compatible PTX: use its base.
-    ptx_arch = max((a.rstrip("a") for a in archs), key=int)
-    nvcc += ["-gencode", f"arch=compute_{ptx_arch},code=compute_{ptx_arch}"]
+    nvcc += load_script("cuda_flags").gencode_flags(archs)  # SASS per arch + PTX of the newest (see the script)
     print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims}, MAX_JOBS {os.environ['MAX_JOBS']}")
     return cpp_extension.CUDAExtension(
         "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,

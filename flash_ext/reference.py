@@ -25,8 +25,9 @@ import math
 from typing import Optional, Tuple
 
 import torch
+from einops import rearrange, repeat
 
-__all__ = ["attention_ref", "visibility_mask"]
+__all__ = ["attention_ref", "visibility_mask", "rotary_ref"]
 
 
 def visibility_mask(
@@ -116,11 +117,11 @@ def attention_ref(
     io_dtype = torch.float64 if upcast else in_dtype  # dtype of the two matmuls and of `out`
     acc_dtype = torch.float64 if upcast else torch.float32  # dtype of the softmax and of `lse`
 
-    # (batch, nheads, seqlen, head_dim), K/V heads repeated for GQA/MQA.
+    # (batch, nheads, seqlen, head_dim); for GQA/MQA query head hk * group + g reads K/V head hk.
     group = nheads // nheads_k
-    qh = q.to(io_dtype).transpose(1, 2)
-    kh = k.to(io_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    vh = v.to(io_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    qh = rearrange(q.to(io_dtype), "b s h d -> b h s d")
+    kh = repeat(k.to(io_dtype), "b s hk d -> b (hk g) s d", g=group)
+    vh = repeat(v.to(io_dtype), "b s hk d -> b (hk g) s d", g=group)
 
     scores = torch.matmul(qh, kh.transpose(-1, -2)).to(acc_dtype) * softmax_scale  # (b, h, sq, sk)
     if softcap > 0:
@@ -149,6 +150,36 @@ def attention_ref(
     lse = torch.where(any_visible, safe_max + torch.log(torch.where(any_visible, denom, torch.ones_like(denom))),
                       torch.full_like(denom, float("inf"))).squeeze(-1)  # (b, h, sq)
 
-    out = torch.matmul(probs.to(io_dtype), vh)  # (b, h, sq, d)
-    out = out.transpose(1, 2).contiguous()  # (b, sq, h, d)
+    out = rearrange(torch.matmul(probs.to(io_dtype), vh), "b h s d -> b s h d").contiguous()
     return out, lse.contiguous()
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """Rotary embedding, written independently of ``flash_ext.kvcache.apply_rotary`` for the tests.
+
+    ``x`` (b, s, h, d); ``cos``/``sin`` (seqlen_ro, rotary_dim / 2) hold cos/sin of the angle of pair ``i`` at
+    each position; ``positions`` (b, s) selects the row.  The first ``rotary_dim`` channels are rotated pair by
+    pair, the rest pass through:
+
+    * ``interleaved`` (GPT-J): pair ``i`` is channels ``(2i, 2i+1)``, read as the complex number
+      ``x[2i] + 1j * x[2i+1]`` and multiplied by ``cos + 1j * sin``;
+    * otherwise (GPT-NeoX): pair ``i`` is channels ``(i, i + rotary_dim / 2)``, multiplied by the rotation
+      matrix ``[[cos, -sin], [sin, cos]]``.
+
+    Computed in float64, returned rounded to ``x``'s dtype.
+    """
+    half = cos.shape[1]
+    rd = 2 * half
+    c = cos.double()[positions][:, :, None, :]  # (b, s, 1, rd / 2)
+    s = sin.double()[positions][:, :, None, :]
+    xr = x[..., :rd].double()
+    if interleaved:
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], half, 2).contiguous())
+        rotated = torch.view_as_real(z * torch.complex(c, s)).reshape(xr.shape)
+    else:
+        pair = torch.stack((xr[..., :half], xr[..., half:]), dim=-1)           # (..., rd / 2, 2)
+        rot = torch.stack((torch.stack((c, -s), dim=-1), torch.stack((s, c), dim=-1)), dim=-2)  # (..., rd/2, 2, 2)
+        out = (rot @ pair[..., None])[..., 0]                                  # (..., rd / 2, 2)
+        rotated = torch.cat((out[..., 0], out[..., 1]), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rd:]), dim=-1)

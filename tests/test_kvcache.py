@@ -7,6 +7,7 @@ import torch
 
 import flash_ext
 from flash_ext.kvcache import apply_rotary
+from flash_ext.reference import rotary_ref
 from attn_check import check_close
 from conftest import DEVICES, require_device
 
@@ -17,7 +18,8 @@ def _rotary_tables(seqlen: int, rotary_dim: int, device) -> tuple[torch.Tensor, 
 
 
 def _reference(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, causal, window, interleaved):
-    """Appends and rotates with plain indexing, then checks per batch entry against attention_ref."""
+    """Appends and rotates with plain indexing (rotary from flash_ext.reference.rotary_ref, written
+    independently of the implementation), then checks per batch entry against attention_ref."""
     b, sq = q.shape[:2]
     kc, vc = k_cache.clone(), v_cache.clone()
     qs, ks, vs, outs = [], [], [], []
@@ -28,13 +30,13 @@ def _reference(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
         qi = q[i:i + 1]
         if k is not None:
             pos = torch.arange(start, start + k.shape[1], device=q.device)[None]
-            ki = apply_rotary(k[i:i + 1], cos, sin, pos, interleaved) if cos is not None else k[i:i + 1]
+            ki = rotary_ref(k[i:i + 1], cos, sin, pos, interleaved) if cos is not None else k[i:i + 1]
             kc[bi, start:start + k.shape[1]] = ki[0]
             vc[bi, start:start + k.shape[1]] = v[i]
             if cos is not None:
                 local = causal or window != (-1, -1)
                 qpos = (torch.arange(sq, device=q.device) + start if local else torch.full((sq,), start, device=q.device))
-                qi = apply_rotary(qi, cos, sin, qpos[None], interleaved)
+                qi = rotary_ref(qi, cos, sin, qpos[None], interleaved)
         end = start + (k.shape[1] if k is not None else 0)
         qs.append(qi)
         ks.append(kc[bi:bi + 1, lp:end])
@@ -49,6 +51,9 @@ CASES = [
     (2, 7, 256, 2, 2, 64, 7, {"window_size": (50, 0), "rotary": "gptj"}),
     (2, 5, 400, 2, 2, 96, 0, {}),                                                  # no append
     (2, 3, 333, 2, 4, 64, 3, {"causal": True, "batch_idx": True, "leftpad": True}),
+    # Non-causal rotary: every query row is rotated at the first new position; rotary_dim < d.
+    (2, 3, 200, 2, 4, 64, 2, {"rotary": "neox", "rotary_dim": 16}),
+    (2, 2, 150, 1, 2, 64, 2, {"rotary": "gptj", "rotary_dim": 64}),
 ]
 
 
@@ -69,7 +74,7 @@ def test_kvcache_matches_reference(device: str, case: int) -> None:
     leftpad = torch.randint(0, 8, (b,), dtype=torch.int32, device=device) if kw.get("leftpad") else None
     cos = sin = None
     if "rotary" in kw:
-        cos, sin = _rotary_tables(cache_len, d // 2, device)
+        cos, sin = _rotary_tables(cache_len, kw.get("rotary_dim", d // 2), device)
     interleaved = kw.get("rotary") == "gptj"
     causal, window = kw.get("causal", False), kw.get("window_size", (-1, -1))
     qs, ks, vs, kc_ref, vc_ref = _reference(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
@@ -78,7 +83,11 @@ def test_kvcache_matches_reference(device: str, case: int) -> None:
         q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
         cache_leftpad=leftpad, causal=causal, window_size=window, rotary_interleaved=interleaved,
         return_softmax_lse=True)
-    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref), "append must write exactly the new rows"
+    assert torch.equal(v_cache, vc_ref), "append must write exactly the new rows"
+    if cos is None:
+        assert torch.equal(k_cache, kc_ref), "append must write exactly the new rows"
+    else:  # rotated keys: fp32 rotation vs the reference's float64 one, each rounded once to bf16
+        assert ((k_cache.double() - kc_ref.double()).abs() <= 2 ** -7 * kc_ref.double().abs()).all()
     for i in range(b):
         check_close(out[i:i + 1], lse[i:i + 1], qs[i], ks[i], vs[i], causal=causal, window_size=window,
                     context=f"case {case} batch entry {i}")
@@ -195,3 +204,20 @@ def test_kvcache_op_reports_every_malformed_index_tensor() -> None:
                                         None, None, 0.1, False, -1, -1, 0.0, None, 0)
     msg = str(info.value)
     assert "2 invalid arguments" in msg and "cache_seqlens" in msg and "cache_batch_idx" in msg, msg
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("rotary_dim", [64, 32, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_apply_rotary_matches_independent_reference(interleaved, rotary_dim, dtype) -> None:
+    """The implementation's rotary (fp32 math) against the reference's (float64 complex / rotation-matrix
+    formulation): equal up to one rounding of the output dtype; channels past rotary_dim untouched."""
+    x = torch.randn(2, 5, 3, 64).to(dtype)
+    cos, sin = _rotary_tables(40, rotary_dim, "cpu")
+    pos = torch.randint(0, 40, (2, 5))
+    got, want = apply_rotary(x, cos, sin, pos, interleaved), rotary_ref(x, cos, sin, pos, interleaved)
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}[dtype]
+    assert ((got.double() - want.double()).abs() <= ulp * (want.double().abs() + 1)).all()
+    assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])
+    # A rotation is not the identity: the test can tell a missing or mis-paired rotation apart.
+    assert not torch.allclose(got[..., :rotary_dim].double(), x[..., :rotary_dim].double(), atol=1e-2)

@@ -2,7 +2,8 @@
 // normalised by its own softmax sum, and LSE_s = log of that sum (in the true score domain, max included).
 // The exact result is LSE = log sum_s exp(LSE_s) and O = sum_s exp(LSE_s - LSE) O_s; the maximum LSE_s is
 // subtracted before exponentiating so nothing overflows.  Splits that saw no key have LSE_s = -inf and
-// weigh exactly 0; a row no split saw gets O = 0 and LSE = +inf, never NaN.
+// weigh exactly 0; a row no split saw gets O = 0 and LSE = +inf.  A NaN partial LSE (a NaN score in that
+// split) makes the row NaN, as the unsplit kernel's would be: fmaxf alone would drop it.
 #pragma once
 
 #include <cmath>
@@ -23,9 +24,19 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
   index_t const split_stride = index_t(p.h) * p.accum_rows;
   float const* lse_s = p.lseaccum_ptr + index_t(bidh) * p.accum_rows + r;
   float max_lse = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) { max_lse = fmaxf(max_lse, lse_s[s * split_stride]); }
+  bool nan = false;
+  for (int s = 0; s < p.num_splits; ++s) {
+    float const l = lse_s[s * split_stride];
+    nan = nan || l != l;
+    max_lse = fmaxf(max_lse, l);
+  }
   Element* o = static_cast<Element*>(p.o_ptr) + binfo.q_offset(p.o_batch_stride, p.o_row_stride, bidb) +
                index_t(row) * p.o_row_stride + index_t(bidh) * p.o_head_stride;
+  if (nan) {
+    for (int c = col_begin; c < col_end; ++c) { o[c] = Element(NAN); }
+    if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = NAN; }
+    return;
+  }
   if (max_lse == -INFINITY) {
     for (int c = col_begin; c < col_end; ++c) { o[c] = Element(0.f); }
     if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = INFINITY; }

@@ -64,8 +64,11 @@ struct OnlineSoftmax {
   }
 
   // Normalises acc_o (rows, cols) in place and returns the rows' log-sum-exp in the true score domain.
-  // A row with no visible key (sum 0) gets O = 0 and LSE = empty_lse: +inf for a final result (FA2's
-  // convention), -inf for a split-KV partial (it then weighs nothing in the combine).
+  // A row with no visible key gets O = 0 and LSE = empty_lse: +inf for a final result (FA2's convention),
+  // -inf for a split-KV partial (it then weighs nothing in the combine).  Its sum is exactly 0, and only
+  // its: a row that saw a key has sum >= 1 (its maximum contributes exp2(0)).  A NaN score (NaN in q or k)
+  // makes the sum NaN, which is NOT an empty row: 1 / NaN and log(NaN) carry it into O and LSE, and the
+  // combine carries a NaN partial through, so the answer does not depend on the split count.
   template <class AccO>
   CUTE_HOST_DEVICE TensorT finalize(AccO& acc_o, float score_scale, float empty_lse = INFINITY) {
     using namespace cute;
@@ -73,7 +76,7 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int i = 0; i < kNRows; ++i) {
       float const sum = Traits::row_allreduce(row_sum(i), SumOp{});
-      bool const empty = sum == 0.f || sum != sum;
+      bool const empty = sum == 0.f;
       float const inv = empty ? 0.f : 1.f / sum;
       lse(i) = empty ? empty_lse : row_max(i) * score_scale + logf(sum);
       CUTE_UNROLL

@@ -10,9 +10,14 @@
 #include <sstream>
 
 #if defined(FLASH_EXT_WITH_CUDA)
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <mutex>
 #endif
 
 #include "flash_ext/dispatch.h"
@@ -130,6 +135,27 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
+#if defined(FLASH_EXT_WITH_CUDA)
+constexpr int kGpuHeadDimsMask = FLASH_EXT_GPU_HEADDIMS_MASK;
+#else
+constexpr int kGpuHeadDimsMask = 0;
+#endif
+
+int gpu_built_head_dim_for(int d) {
+  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
+    if (((kGpuHeadDimsMask >> i) & 1) && d <= kGpuHeadDims[i]) { return kGpuHeadDims[i]; }
+  }
+  return -1;
+}
+
+std::string gpu_head_dims_list() {
+  std::string s;
+  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
+    if ((kGpuHeadDimsMask >> i) & 1) { s += (s.empty() ? "" : ", ") + std::to_string(kGpuHeadDims[i]); }
+  }
+  return s.empty() ? "none" : s;
+}
+
 std::string host_head_dims_list() {
   std::string s;
   for (int hd : kHostHeadDims) {
@@ -146,7 +172,17 @@ DeviceInfo device_info(at::Device device) {
     return info;
   }
 #if defined(FLASH_EXT_WITH_CUDA)
-  cudaDeviceProp const* prop = at::cuda::getDeviceProperties(device.index());
+  // Queried once per device and cached (cudaGetDeviceProperties costs about a millisecond).  Not ATen's
+  // cache: its header pulls in cuSPARSE/cuBLAS headers that a CUDA toolkit need not ship.
+  constexpr int kMaxDevices = 64;
+  static std::array<cudaDeviceProp, kMaxDevices> props;
+  static std::array<std::once_flag, kMaxDevices> once;
+  int const index = device.has_index() ? device.index() : c10::cuda::current_device();
+  TORCH_CHECK(index >= 0 && index < kMaxDevices, "flash_ext: CUDA device index ", index, " out of range");
+  std::call_once(once[index], [&] {
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&props[index], index));
+  });
+  cudaDeviceProp const* prop = &props[index];
   info.cuda = true;
   info.cc_major = prop->major, info.cc_minor = prop->minor;
   info.processors = prop->multiProcessorCount;
@@ -191,11 +227,17 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   if (!any_head_dim) {
     c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   }
+  // A partial build (FLASH_EXT_HOST_HEADDIMS / FLASH_EXT_HEADDIMS) has no kernel for larger head dims.
   int64_t const padded = (d + 7) / 8 * 8;
-  if (q.device().is_cpu() && d >= 1 && d <= 256 && host_head_dim_for(int(padded)) < 0) {
-    c.require(false, "head_dim", std::to_string(d),
-              "no CPU kernel for it in this build (compiled host head dims: " + host_head_dims_list() +
-                  "); rebuild with FLASH_EXT_HOST_HEADDIMS including a head dim >= " + std::to_string(d));
+  if (d >= 1 && d <= 256) {
+    bool const cpu = q.device().is_cpu();
+    if (cpu ? host_head_dim_for(int(padded)) < 0 : gpu_built_head_dim_for(int(padded)) < 0) {
+      c.require(false, "head_dim", std::to_string(d),
+                std::string("no ") + (cpu ? "CPU" : "GPU") + " kernel for it in this build (compiled " +
+                    (cpu ? "host" : "GPU") + " head dims: " + (cpu ? host_head_dims_list() : gpu_head_dims_list()) +
+                    "); rebuild with " + (cpu ? "FLASH_EXT_HOST_HEADDIMS" : "FLASH_EXT_HEADDIMS") +
+                    " including a head dim >= " + std::to_string(d));
+    }
   }
   c.require(k.sizes() == v.sizes(), vname + ".shape", str(v.sizes()), "must equal " + kname + ".shape " + str(k.sizes()));
   if (!varlen && !kv_cache) {

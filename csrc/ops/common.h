@@ -133,7 +133,10 @@ at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k);
 // The inverse for the results: out (b, g, h_k, d) -> (b, 1, h, d), lse (b, h_k, g) -> (b, h, 1).
 std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Tensor> const& r);
 
-// The host head dims this build compiled (FLASH_EXT_HOST_HEADDIMS), comma-separated.
+// The host / GPU head dims this build compiled (FLASH_EXT_HOST_HEADDIMS, FLASH_EXT_HEADDIMS), comma-separated.
 std::string host_head_dims_list();
+std::string gpu_head_dims_list();
+// The smallest compiled GPU head dim >= d, or -1 (the CUDA dispatcher's rule).
+int gpu_built_head_dim_for(int d);
 
 }  // namespace flash_ext::ops
