@@ -143,6 +143,19 @@ def test_import_has_no_side_effects():
     assert result.returncode == 0, result.stderr
 
 
+def test_readme_snippet_runs():
+    """The README's "Use it in a model" snippet, run as written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("<!-- model-snippet -->")[1].split("<!-- /model-snippet -->")[0]
+    code = block.strip().removeprefix("```python").removesuffix("```")
+    namespace: dict = {}
+    exec(compile(code, "README.md:model-snippet", "exec"), namespace)
+    assert namespace["model"].config._attn_implementation == NAME
+    assert namespace["tokens"].shape[0] == 2 and 16 < namespace["tokens"].shape[1] <= 16 + 20
+
+
 def test_register_validates_the_name():
     assert fx_hf.register() == NAME == "fx_attention"          # idempotent
     assert transformers.AttentionInterface()[NAME] is fx_hf.attention_forward
