@@ -84,7 +84,8 @@ def run_generation(device: torch.device, dtype: torch.dtype, name: str) -> bool:
 
 def run_memory(device: torch.device, dtype: torch.dtype, name: str, seqlens: Sequence[int]) -> None:
     model = build_model(device, dtype)
-    how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM reset via /proc/self/clear_refs)"
+    how = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+           else "peak RSS (VmHWM reset via /proc/self/clear_refs)")
     print(f"\nMemory: peak extra memory of one forward pass of the same model (batch 1, no KV cache), "
           f"measured by {how}")
     print(f"  {'seqlen':>7} {'eager':>12} {name:>14} {'ratio':>8}")
@@ -95,7 +96,7 @@ def run_memory(device: torch.device, dtype: torch.dtype, name: str, seqlens: Seq
             model.set_attn_implementation(attn)
             with torch.no_grad():
                 model.model(ids[:, :8])                                  # warm-up (allocator, thread pools)
-                result = bench.measure_peak_extra_memory(lambda: model.model(ids).last_hidden_state, device,
+                result = bench.measure_peak_extra_memory(lambda x=ids: model.model(x).last_hidden_state, device,
                                                          cross_check=False)
             peaks[attn] = result.get("cuda_alloc", result.get("rss"))
         e, f = peaks["eager"], peaks[name]

@@ -16,7 +16,7 @@ What the model hands over and what flash_ext makes of it
 =========================================================
 ``register()`` installs two functions under the name, one in each of transformers' interfaces:
 
-* ``attention_mask`` in ``AttentionMaskInterface``: transformers' mask builders (``create_causal_mask`` and
+* ``mask_interface`` in ``AttentionMaskInterface``: transformers' mask builders (``create_causal_mask`` and
   friends) call it once per forward with the mask *pattern* (a composition of index predicates such as
   causal, sliding window, packed sequences) and the user's 2-D padding mask.  It returns what
   ``attention_forward`` needs and nothing larger than ``(batch, kv_length)``:
@@ -67,7 +67,8 @@ from einops import rearrange
 from .. import bert_padding
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
-__all__ = ["DEFAULT_NAME", "SUPPORTED_VERSIONS", "PackedSequences", "attention_forward", "attention_mask", "register"]
+__all__ = ["DEFAULT_NAME", "SUPPORTED_VERSIONS", "PackedSequences", "attention_forward", "mask_interface",
+           "register"]
 
 DEFAULT_NAME = "fx_attention"
 SUPPORTED_VERSIONS = ">=5.4,<6"
@@ -162,7 +163,7 @@ def _pattern_catalogue(mu) -> Dict[Any, str]:
 
 def _closure_vars(fn: Callable) -> Dict[str, Any]:
     code, cells = fn.__code__, fn.__closure__ or ()
-    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells, strict=True)}
 
 
 def _unsupported_pattern(fn: Callable, why: str) -> ValueError:
@@ -209,7 +210,7 @@ def _read_pattern(mask_function: Callable, catalogue: Dict[Any, str]) -> Dict[st
 # the mask interface
 # ---------------------------------------------------------------------------------------------------------
 
-def attention_mask(
+def mask_interface(
     batch_size: int,
     q_length: int,
     kv_length: int,
@@ -324,7 +325,7 @@ def attention_forward(
     """transformers' ``AttentionInterface`` entry for flash_ext (see the module docstring).
 
     q ``(batch, heads, seqlen_q, d)``, k/v ``(batch, heads_k, seqlen_k, d_v)``; ``attention_mask`` what
-    ``attention_mask()`` returned (None, a bool ``(batch, seqlen_k)`` key mask, ``PackedSequences``).
+    ``mask_interface()`` returned (None, a bool ``(batch, seqlen_k)`` key mask, ``PackedSequences``).
     Returns ``(out (batch, seqlen_q, heads, d_v), None)``: attention weights are never formed.
     """
     global _warned_output_attentions
@@ -449,7 +450,7 @@ _RESERVED = ("eager", "sdpa", "flex_attention")
 
 def register(name: str = DEFAULT_NAME) -> str:
     """Registers flash_ext under ``name`` with transformers' ``AttentionInterface`` (``attention_forward``) and
-    ``AttentionMaskInterface`` (``attention_mask``), for every model of the process; returns ``name``.
+    ``AttentionMaskInterface`` (``mask_interface``), for every model of the process; returns ``name``.
 
     Then ``from_pretrained(..., attn_implementation=name)`` or ``model.set_attn_implementation(name)``.
     Calling it again is harmless.  ``name`` must not contain "flash" (transformers would try to load
@@ -472,5 +473,5 @@ def register(name: str = DEFAULT_NAME) -> str:
         raise ValueError(f"{_ERR}.register: " + "; ".join(errors))
     parts = _transformers()
     parts["AttentionInterface"].register(name, attention_forward)
-    parts["AttentionMaskInterface"].register(name, attention_mask)
+    parts["AttentionMaskInterface"].register(name, mask_interface)
     return name
