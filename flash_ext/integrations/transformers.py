@@ -21,8 +21,9 @@ What the model hands over and what flash_ext makes of it
   causal, sliding window, packed sequences) and the user's 2-D padding mask.  It returns what
   ``attention_forward`` needs and nothing larger than ``(batch, kv_length)``:
     - ``None``: no key is padding (the dense kernel runs);
-    - a bool ``(batch, kv_length)`` key mask, True = a real token, aligned with the keys the layer will see
-      (padding of the user's mask, and the empty tail of a static cache);
+    - a bool ``(batch, <= kv_length)`` key mask, True = a real token, over the keys the layer will see; for
+      causal attention it ends with the last query token, so a static cache's empty slots after it fall
+      outside it (the keys past a mask's end are dropped, transformers' flash-attention convention);
     - a ``PackedSequences`` (several sequences concatenated in a row, from ``position_ids``: the varlen
       kernel runs with one sequence per segment).
   The pattern itself is read from the mask function and checked: causal or bidirectional, a sliding window,
@@ -49,8 +50,10 @@ What the model hands over and what flash_ext makes of it
   same as eager attention whenever each row's real tokens are contiguous (left or right padding).
 
 Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be
-expressed), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, fp32 on CUDA
-(flash_ext's CUDA kernels take fp16/bf16; load the model in bf16 or run under ``torch.autocast``).
+expressed), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
+on CUDA (flash_ext's CUDA kernels take fp16/bf16; load the model in bf16 or run under ``torch.autocast``).
+fp32 activations in a half-precision model on CUDA (fp32 layer norms) run in the weights' dtype, as in
+transformers' own flash-attention path; on the CPU fp32 runs as fp32.
 """
 from __future__ import annotations
 
@@ -226,8 +229,8 @@ def mask_interface(
     ``q_length``/``q_offset``: the queries are tokens ``q_offset ... q_offset + q_length - 1`` (``q_offset``
     may be a 0-d tensor under a static cache); ``kv_length``/``kv_offset``: the keys the layer will see are
     tokens ``kv_offset ... kv_offset + kv_length - 1``; ``attention_mask``: the user's 2-D padding mask over
-    tokens ``0 ...`` (bool, True = real), or None.  Returns None, a bool ``(batch_size, kv_length)`` key mask
-    or a ``PackedSequences``.
+    tokens ``0 ...`` (bool, True = real), or None.  Returns None, a bool key mask over the first ``<=
+    kv_length`` keys, or a ``PackedSequences``.
     """
     parts = _transformers()
     if mask_function is None:
