@@ -1,0 +1,480 @@
+"""flash_ext as an attention implementation of Hugging Face transformers (5.4 <= version < 6; tested on 5.24).
+
+    import flash_ext.integrations.transformers as fx_transformers
+    fx_transformers.register()                       # once per process; returns "fx_attention"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fx_attention")
+    # or, on a model already built:  model.set_attn_implementation("fx_attention")
+
+**Importing this module has no side effect**: it does not import transformers and registers nothing.
+``register()`` does both, explicitly, so that which attention a model runs is decided where the model is
+built, never by an import elsewhere in the program.
+
+The name has no "flash" in it on purpose: transformers treats every name containing "flash" as a request for
+the ``flash_attn`` package or a hub kernel and tries to load one.
+
+What the model hands over and what flash_ext makes of it
+=========================================================
+``register()`` installs two functions under the name, one in each of transformers' interfaces:
+
+* ``mask_interface`` in ``AttentionMaskInterface``: transformers' mask builders (``create_causal_mask`` and
+  friends) call it once per forward with the mask *pattern* (a composition of index predicates such as
+  causal, sliding window, packed sequences) and the user's 2-D padding mask.  It returns what
+  ``attention_forward`` needs and nothing larger than ``(batch, kv_length)``:
+    - ``None``: no key is padding (the dense kernel runs);
+    - a bool ``(batch, <= kv_length)`` key mask, True = a real token, over the keys the layer will see; for
+      causal attention it ends with the last query token, so a static cache's empty slots after it fall
+      outside it (the keys past a mask's end are dropped, transformers' flash-attention convention);
+    - a ``PackedSequences`` (several sequences concatenated in a row, from ``position_ids``: the varlen
+      kernel runs with one sequence per segment).
+  The pattern itself is read from the mask function and checked: causal or bidirectional, a sliding window,
+  a chunked window that spans the whole input, packed sequences.  Anything else (a union of patterns such as
+  bidirectional image-token blocks, a custom ``and_mask_function``) is refused with a ``ValueError``, never
+  approximated.
+* ``attention_forward`` in ``AttentionInterface``: each attention layer calls it with q ``(b, h, sq, d)``,
+  k/v ``(b, hk, sk, d)`` (after the KV-cache update, so ``sk >= sq``) and that mask.  Causality comes from
+  the ``is_causal`` argument or ``module.is_causal``; flash_ext's causal mask is aligned bottom-right, which
+  is exactly "query i is token sk - sq + i" of a KV-cache step.  GQA/MQA need no copies (``h % hk == 0``).
+    - no mask: ``flash_attn_func``;
+    - a key mask, causal: queries and keys are packed with the mask (``unpad_input``'s gather; queries with
+      its last ``sq`` columns), ``flash_attn_varlen_func`` runs, ``pad_input`` scatters the output back
+      (padding rows are 0);
+    - a key mask, bidirectional: only the keys are packed; every query row attends to the real keys of its
+      batch entry.  This is also right for cross-attention, where the mask describes the encoder's tokens and
+      says nothing about the queries;
+    - ``PackedSequences`` or the ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments of a padding-free
+      batch: ``flash_attn_varlen_func`` on the flattened tokens.
+  ``scaling``, ``sliding_window`` (the model's convention: a window of ``w`` keys ends at the query, so
+  flash_ext's ``window_size=(w - 1, 0)``, or ``(w - 1, w - 1)`` bidirectional), ``softcap`` (Gemma-2) and
+  ``dropout`` (training) are passed through; flash_ext raises ``NotImplementedError`` for what it does not
+  implement yet (dropout, backward).  With padding, a sliding window counts real tokens, not positions: the
+  same as eager attention whenever each row's real tokens are contiguous (left or right padding).
+
+Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be
+expressed), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
+on CUDA (flash_ext's CUDA kernels take fp16/bf16; load the model in bf16 or run under ``torch.autocast``).
+fp32 activations in a half-precision model on CUDA (fp32 layer norms) run in the weights' dtype, as in
+transformers' own flash-attention path; on the CPU fp32 runs as fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from .. import bert_padding
+from ..interface import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["DEFAULT_NAME", "SUPPORTED_VERSIONS", "PackedSequences", "attention_forward", "mask_interface",
+           "register"]
+
+DEFAULT_NAME = "fx_attention"
+SUPPORTED_VERSIONS = ">=5.4,<6"
+"""The transformers releases whose mask-interface contract (``q_length``/``q_offset`` arguments) this
+module implements; ``register()`` checks the contract itself, not the version number."""
+
+_ERR = "flash_ext.integrations.transformers"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedSequences:
+    """Several sequences concatenated along each row of a ``(batch, seqlen)`` input, as transformers detects
+    them from ``position_ids`` (a new sequence starts wherever the position does not increase by 1).
+
+    ``cu_seqlens`` (int32, ``(num_sequences + 1,)``): sequence boundaries in the flattened ``batch * seqlen``
+    tokens.  ``max_seqlen``: an upper bound of the longest sequence (``seqlen``, so no device read-back)."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    batch: int
+    seqlen: int
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transformers, imported on first use
+# ---------------------------------------------------------------------------------------------------------
+
+_transformers_parts: Optional[Dict[str, Any]] = None
+
+
+def _transformers() -> Dict[str, Any]:
+    """The pieces of transformers this module uses, imported once; ImportError naming the requirement when
+    transformers is absent or its mask-interface contract is not the one implemented here."""
+    global _transformers_parts
+    if _transformers_parts is not None:
+        return _transformers_parts
+    try:
+        transformers = importlib.import_module("transformers")
+        masking_utils = importlib.import_module("transformers.masking_utils")
+    except ImportError as exc:
+        raise ImportError(f"{_ERR}: needs Hugging Face transformers {SUPPORTED_VERSIONS} (pip install "
+                          f"'flash_ext[transformers]'); importing it failed: {exc}") from exc
+    version = getattr(transformers, "__version__", "?")
+    contract = getattr(masking_utils, "sdpa_mask", None)
+    params = inspect.signature(contract).parameters if contract is not None else {}
+    if not (hasattr(transformers, "AttentionInterface") and hasattr(masking_utils, "AttentionMaskInterface")
+            and "q_length" in params and "q_offset" in params):
+        raise ImportError(f"{_ERR}: transformers {version} does not have the attention/mask interfaces this "
+                          f"integration implements (AttentionInterface, AttentionMaskInterface with "
+                          f"q_length/q_offset arguments); supported: transformers {SUPPORTED_VERSIONS}")
+    _transformers_parts = {
+        "version": version,
+        "AttentionInterface": transformers.AttentionInterface,
+        "AttentionMaskInterface": masking_utils.AttentionMaskInterface,
+        "is_tracing": getattr(importlib.import_module("transformers.utils.import_utils"), "is_tracing",
+                              lambda t: torch.compiler.is_compiling()),
+        "patterns": _pattern_catalogue(masking_utils),
+        "causal_mask_function": masking_utils.causal_mask_function,
+    }
+    return _transformers_parts
+
+
+def _pattern_catalogue(mu) -> Dict[Any, str]:
+    """Maps each mask-pattern building block of ``transformers.masking_utils`` to what it means here.
+
+    Module-level predicates are keyed by the function; the factories (``sliding_window_overlay(w)`` and the
+    like) return closures that all share one code object, so those are keyed by ``__code__``.  A block this
+    release lacks is simply absent: a pattern using it is then refused, not guessed."""
+    catalogue: Dict[Any, str] = {}
+    for name, kind in (("causal_mask_function", "causal"), ("bidirectional_mask_function", "bidirectional")):
+        if hasattr(mu, name):
+            catalogue[getattr(mu, name)] = kind
+    probe = torch.zeros(1, 1, dtype=torch.long)
+    factories = (
+        ("and_masks", lambda f: f(mu.causal_mask_function), "and"),
+        ("or_masks", lambda f: f(mu.causal_mask_function), "or"),
+        ("sliding_window_overlay", lambda f: f(1), "window"),
+        ("sliding_window_bidirectional_overlay", lambda f: f(1), "window"),
+        ("chunked_overlay", lambda f: f(1, probe[0]), "chunked"),
+        ("packed_sequence_mask_function", lambda f: f(probe), "packed"),
+        ("remap_positions_for_packed_sequence", lambda f: f(mu.causal_mask_function, probe), "remap"),
+    )
+    for name, build, kind in factories:
+        factory = getattr(mu, name, None)
+        if factory is not None:
+            try:
+                catalogue[build(factory).__code__] = kind
+            except Exception:  # noqa: BLE001 - a changed factory signature: its patterns are refused
+                pass
+    return catalogue
+
+
+def _closure_vars(fn: Callable) -> Dict[str, Any]:
+    code, cells = fn.__code__, fn.__closure__ or ()
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells, strict=True)}
+
+
+def _unsupported_pattern(fn: Callable, why: str) -> ValueError:
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return ValueError(
+        f"{_ERR}: the model asks for an attention pattern flash_ext cannot express ({why}: mask function "
+        f"{name}). fx_attention serves causal or bidirectional attention with padding, a sliding window, a "
+        f"chunk spanning the whole input, or packed sequences; load this model with attn_implementation='sdpa' "
+        f"or 'eager' instead.")
+
+
+def _read_pattern(mask_function: Callable, catalogue: Dict[Any, str]) -> Dict[str, Any]:
+    """Walks the composition of index predicates transformers built; returns ``{"chunk_size": int|None,
+    "packed": tensor|None}``; raises for any block that is not a causal/bidirectional base, an intersection,
+    a sliding window, a chunk or a packed-sequence split (all of which the flash_ext call reproduces)."""
+    found: Dict[str, Any] = {"causal": False, "chunk_size": None, "packed": None, "remap": False}
+    stack = [mask_function]
+    while stack:
+        fn = stack.pop()
+        kind = catalogue.get(fn) or catalogue.get(getattr(fn, "__code__", None))
+        if kind == "causal":
+            found["causal"] = True
+        elif kind in ("bidirectional", "window"):
+            pass  # the attention call takes the window from the layer's own arguments
+        elif kind == "and":
+            stack.extend(_closure_vars(fn)["mask_functions"])
+        elif kind == "remap":
+            found["remap"] = True
+            stack.append(_closure_vars(fn)["mask_function"])
+        elif kind == "chunked":
+            found["chunk_size"] = int(_closure_vars(fn)["chunk_size"])
+        elif kind == "packed":
+            found["packed"] = _closure_vars(fn)["packed_sequence_mask"]
+        elif kind == "or":
+            raise _unsupported_pattern(fn, "a union of patterns, e.g. bidirectional blocks inside a causal mask")
+        else:
+            raise _unsupported_pattern(fn, "an unrecognised mask predicate")
+    if found["remap"] and found["packed"] is None:
+        raise _unsupported_pattern(mask_function, "positions remapped without a packed-sequence split")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the mask interface
+# ---------------------------------------------------------------------------------------------------------
+
+def mask_interface(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: int = 0,
+    mask_function: Optional[Callable] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    device: Any = "cpu",
+    **kwargs: Any,
+):
+    """transformers' ``AttentionMaskInterface`` entry for flash_ext (see the module docstring).
+
+    ``q_length``/``q_offset``: the queries are tokens ``q_offset ... q_offset + q_length - 1`` (``q_offset``
+    may be a 0-d tensor under a static cache); ``kv_length``/``kv_offset``: the keys the layer will see are
+    tokens ``kv_offset ... kv_offset + kv_length - 1``; ``attention_mask``: the user's 2-D padding mask over
+    tokens ``0 ...`` (bool, True = real), or None.  Returns None, a bool key mask over the first ``<=
+    kv_length`` keys, or a ``PackedSequences``.
+    """
+    parts = _transformers()
+    if mask_function is None:
+        mask_function = parts["causal_mask_function"]       # transformers' own default
+    pattern = _read_pattern(mask_function, parts["patterns"])
+
+    chunk = pattern["chunk_size"]
+    if chunk is not None and kv_offset + kv_length > chunk:
+        raise ValueError(f"{_ERR}: chunked attention (attention_chunk_size={chunk}) over {kv_offset + kv_length} "
+                         f"tokens: flash_ext has no chunk-local mask, it serves chunked models only while the whole "
+                         f"input fits in one chunk; use attn_implementation='sdpa' or 'eager' for longer inputs")
+
+    packed = pattern["packed"]
+    if packed is not None:
+        # Sequence ids per token, constant inside a sequence; a new sequence starts at each row start and
+        # wherever the id changes.
+        ids = packed.expand(batch_size, -1)
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
+        total = torch.tensor([ids.numel()], device=begin.device, dtype=begin.dtype)
+        cu_seqlens = torch.cat([begin, total]).to(torch.int32)
+        return PackedSequences(cu_seqlens, int(ids.shape[1]), int(batch_size), int(ids.shape[1]))
+
+    end = kv_offset + kv_length
+    if pattern["causal"]:
+        # Causal self-attention: the keys end with the last query token.  A static cache hands over all its
+        # slots, the empty ones after that token too; the mask then ends earlier than the keys, and
+        # attention_forward drops the keys past its end (transformers' convention for flash-attention masks).
+        # Under a static cache q_offset is a 0-d tensor: reading it is one device read-back per forward.
+        query_end = int(q_offset) + q_length if isinstance(q_offset, torch.Tensor) else q_offset + q_length
+        end = min(end, query_end)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return attention_mask  # a prepared mask the model passes through: attention_forward refuses it
+        keys = attention_mask.to(device=device, dtype=torch.bool)
+        if keys.shape[-1] < end:
+            keys = F.pad(keys, (0, end - keys.shape[-1]), value=False)   # tokens past the mask are not real
+        keys = keys[:, kv_offset:end]
+    elif end == kv_offset + kv_length:
+        return None
+    else:
+        keys = torch.ones(batch_size, end - kv_offset, dtype=torch.bool, device=device)
+    if keys.shape[-1] == kv_length and not parts["is_tracing"](keys) and bool(keys.all()):
+        return None  # no padding: one read-back per forward buys the dense kernel for every layer
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the attention interface
+# ---------------------------------------------------------------------------------------------------------
+
+_warned_output_attentions = False
+
+
+def _compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype to run in when it is not q's own: fp32 on CUDA becomes the autocast dtype or the dtype of
+    the model's half-precision weights (transformers does the same for its flash-attention path; fp32
+    activations in a bf16 model come from fp32 layer norms).  ValueError when there is neither."""
+    if query.dtype != torch.float32 or query.device.type != "cuda":
+        return None
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    if linear is not None and linear.weight.dtype in (torch.float16, torch.bfloat16):
+        return linear.weight.dtype
+    raise ValueError(f"{_ERR}: query: got float32 on CUDA; flash_ext's CUDA kernels take float16/bfloat16: "
+                     f"load the model with dtype=torch.bfloat16 (or float16), or run it under torch.autocast")
+
+
+def _window(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> Tuple[int, int]:
+    if sliding_window is None or seqlen_k <= sliding_window:
+        return (-1, -1)  # every key is inside the window: the unwindowed kernel gives the same result
+    left = int(sliding_window) - 1
+    return (left, 0) if causal else (left, left)
+
+
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    return rearrange(x, "b s h d -> (b s) h d")
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[Any],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
+    """transformers' ``AttentionInterface`` entry for flash_ext (see the module docstring).
+
+    q ``(batch, heads, seqlen_q, d)``, k/v ``(batch, heads_k, seqlen_k, d_v)``; ``attention_mask`` what
+    ``mask_interface()`` returned (None, a bool ``(batch, seqlen_k)`` key mask, ``PackedSequences``).
+    Returns ``(out (batch, seqlen_q, heads, d_v), None)``: attention weights are never formed.
+    """
+    global _warned_output_attentions
+    errors = []
+    if not (query.dim() == 4 and key.dim() == 4 and value.dim() == 4):
+        errors.append(f"query/key/value: got {tuple(query.shape)}/{tuple(key.shape)}/{tuple(value.shape)}; must be "
+                      "(batch, heads, seqlen, head_dim)")
+    for name in ("s_aux", "position_bias", "block_table", "head_mask"):
+        if kwargs.get(name) is not None:
+            errors.append(f"{name}: given; flash_ext has no "
+                          + {"s_aux": "attention sinks", "position_bias": "additive position bias",
+                             "block_table": "paged (continuous-batching) KV cache",
+                             "head_mask": "per-head output mask"}[name])
+    mask = attention_mask
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or mask.is_floating_point()):
+        errors.append(f"attention_mask: got a {mask.dim()}-D {mask.dtype} tensor {tuple(mask.shape)}; flash_ext takes "
+                      "a 2-D padding mask (batch, seqlen) only, it cannot apply an arbitrary (e.g. 4-D additive) mask; "
+                      "pass the 2-D mask, or use attn_implementation='sdpa' or 'eager' for custom masks")
+    elif mask is not None and not isinstance(mask, (torch.Tensor, PackedSequences)):
+        errors.append(f"attention_mask: got {type(mask).__name__}; must be None, a 2-D padding mask or "
+                      f"PackedSequences (what {DEFAULT_NAME}'s mask function returns)")
+    if errors:
+        raise ValueError(f"{_ERR}.attention_forward: " + "; ".join(errors))
+    if kwargs.get("output_attentions") and not _warned_output_attentions:
+        _warned_output_attentions = True
+        warnings.warn(f"{_ERR}: output_attentions=True: flash_ext never forms the attention weights; they are "
+                      "returned as None (use attn_implementation='eager' to get them)", stacklevel=2)
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    batch, heads, seqlen_q, head_dim = query.shape
+    seqlen_k, v_dim = key.shape[2], value.shape[-1]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))        # (b, s, h, d): flash_attn's layout
+    target = _compute_dtype(query, module)
+    if target is not None:
+        q, k, v = q.to(target), k.to(target), v.to(target)
+    # One head dim for q, k and v: zero columns change neither q.k nor the output columns that are kept.
+    width = max(head_dim, v_dim)
+    if head_dim < width:
+        q, k = F.pad(q, [0, width - head_dim]), F.pad(k, [0, width - head_dim])
+    if v_dim < width:
+        v = F.pad(v, [0, width - v_dim])
+    common = dict(
+        dropout_p=float(dropout),
+        softmax_scale=float(scaling) if scaling is not None else head_dim ** -0.5,
+        causal=causal,
+        window_size=_window(sliding_window, causal, seqlen_k),
+        softcap=float(softcap) if softcap else 0.0,
+        deterministic=bool(kwargs.get("deterministic") or False),
+    )
+
+    varlen_kwargs = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    if isinstance(mask, PackedSequences):
+        if not (seqlen_q == seqlen_k == mask.seqlen and batch == mask.batch):
+            raise ValueError(f"{_ERR}.attention_forward: attention_mask: packed sequences of shape ({mask.batch}, "
+                             f"{mask.seqlen}) for queries ({batch}, {seqlen_q}) and keys ({batch}, {seqlen_k}); "
+                             "they must all agree (packed sequences are a forward without a cache)")
+        out = _varlen_flat(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen, common)
+    elif mask is not None:
+        out = _padded(q, k, v, mask, common)
+    elif all(x is not None for x in varlen_kwargs):
+        cu_q, cu_k, max_q, max_k = varlen_kwargs
+        out = _varlen_flat(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), common)
+    else:
+        out = flash_attn_func(q, k, v, **common)
+    if out.shape[-1] != v_dim:
+        out = out[..., :v_dim]
+    return out, None
+
+
+def _varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, common) -> torch.Tensor:
+    """Padding-free rows: the tokens of each row are already sequences back to back."""
+    batch = q.shape[0]
+    out = flash_attn_varlen_func(_flatten(q), _flatten(k), _flatten(v), cu_q, cu_k, max_q, max_k, **common)
+    return rearrange(out, "(b s) h d -> b s h d", b=batch)
+
+
+def _padded(q, k, v, mask: torch.Tensor, common) -> torch.Tensor:
+    """A 2-D key mask: pack the real keys (and for causal attention the real queries), run varlen, unpack."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    keys = mask.bool()
+    if keys.shape[0] != batch:
+        raise ValueError(f"{_ERR}.attention_forward: attention_mask: got batch {keys.shape[0]}; the keys have batch "
+                         f"{batch}")
+    # transformers' convention for flash-attention masks: a longer mask ends with the last key; a shorter one
+    # ends with the last real key, and the keys after it are a static cache's empty slots.
+    if keys.shape[1] > k.shape[1]:
+        keys = keys[:, -k.shape[1]:]
+    elif keys.shape[1] < k.shape[1]:
+        k, v = k[:, :keys.shape[1]], v[:, :keys.shape[1]]
+    seqlen_k = k.shape[1]
+    idx_k, cu_k, _ = bert_padding._mask_to_varlen(keys)
+    k_unpad = bert_padding.index_first_axis(_flatten(k), idx_k)
+    v_unpad = bert_padding.index_first_axis(_flatten(v), idx_k)
+    # max_seqlen: the padded lengths bound every sequence and need no device read-back.
+    if not common["causal"]:
+        # Each query row attends to its row's real keys, whatever the row is (a padding query's output is as
+        # unused as eager's); queries stay in place, so cross-attention (mask over the encoder) is right too.
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, device=q.device, dtype=torch.int32)
+        out = flash_attn_varlen_func(_flatten(q), k_unpad, v_unpad, cu_q, cu_k, seqlen_q, seqlen_k, **common)
+        return rearrange(out, "(b s) h d -> b s h d", b=batch)
+    if seqlen_q > seqlen_k:
+        raise ValueError(f"{_ERR}.attention_forward: causal attention with {seqlen_q} queries but {seqlen_k} keys: "
+                         "the queries must be the last keys (self-attention)")
+    # Causal self-attention: the queries are the last seqlen_q tokens, so the mask's last columns say which
+    # are real.  Packing both sides keeps every real token's order, and bottom-right alignment then puts each
+    # real query right after the real keys before it (its real successors are all among the queries).
+    if seqlen_q == seqlen_k:
+        idx_q, cu_q = idx_k, cu_k
+    else:
+        idx_q, cu_q, _ = bert_padding._mask_to_varlen(keys[:, -seqlen_q:])
+    q_unpad = bert_padding.index_first_axis(_flatten(q), idx_q)
+    out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, seqlen_q, seqlen_k, **common)
+    return bert_padding.pad_input(out, idx_q, batch, seqlen_q)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------------------------
+
+_RESERVED = ("eager", "sdpa", "flex_attention")
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Registers flash_ext under ``name`` with transformers' ``AttentionInterface`` (``attention_forward``) and
+    ``AttentionMaskInterface`` (``mask_interface``), for every model of the process; returns ``name``.
+
+    Then ``from_pretrained(..., attn_implementation=name)`` or ``model.set_attn_implementation(name)``.
+    Calling it again is harmless.  ``name`` must not contain "flash" (transformers would try to load
+    flash_attn or a hub kernel for it), "/" or ":" (hub kernel syntax), nor a "paged|" prefix, nor be one of
+    transformers' own implementations.  ImportError when transformers is missing or unsupported.
+    """
+    errors = []
+    if not isinstance(name, str) or not name:
+        errors.append(f"name: got {name!r}; must be a non-empty string")
+    else:
+        if "flash" in name.lower():
+            errors.append(f"name: got {name!r}; must not contain 'flash' (transformers reserves such names for "
+                          "flash_attn and hub kernels and would try to load one)")
+        if "/" in name or ":" in name or name.startswith("paged|"):
+            errors.append(f"name: got {name!r}; '/', ':' and a 'paged|' prefix have meanings to transformers "
+                          "(hub kernels, paged caches)")
+        if name in _RESERVED:
+            errors.append(f"name: got {name!r}; that is one of transformers' own implementations")
+    if errors:
+        raise ValueError(f"{_ERR}.register: " + "; ".join(errors))
+    parts = _transformers()
+    parts["AttentionInterface"].register(name, attention_forward)
+    parts["AttentionMaskInterface"].register(name, mask_interface)
+    return name

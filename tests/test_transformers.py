@@ -1,0 +1,409 @@
+"""flash_ext inside Hugging Face transformers models (``flash_ext.integrations.transformers``).
+
+Real transformers code paths (mask builders, KV caches, ``generate``) on tiny models built from configs
+with random weights, so nothing is downloaded.  Every check compares the model running ``fx_attention``
+with the same weights running transformers' eager attention:
+
+* fp32: cosine similarity >= 0.9999 over the real (non-padding) positions; a control shows the bound
+  rejects a mis-masked result.
+* bf16: the FlashAttention rule, applied to the model output: max |fx_bf16 - eager_fp32| <=
+  2 * max |eager_bf16 - eager_fp32| + one bf16 ulp of the output's magnitude.
+* generate(): exactly the eager model's tokens (fp32, greedy).
+
+Skipped (with the reason) when transformers is not installed or its version has another attention
+contract.  Dropout and the backward pass are checked for what flash_ext does today, found by calling it:
+while flash_ext refuses them, the model must raise ``NotImplementedError`` (never silently skip dropout),
+and the tests of their results are skipped with flash_ext's own message.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed (pip install '.[transformers]')")
+
+import flash_ext  # noqa: E402
+from flash_ext.integrations import transformers as fx_hf  # noqa: E402
+
+try:
+    NAME = fx_hf.register()
+except ImportError as exc:  # an installed transformers with another contract
+    pytest.skip(str(exc), allow_module_level=True)
+
+from transformers import (  # noqa: E402
+    BertConfig, BertModel, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM,
+)
+
+BATCH, SEQLEN, VOCAB = 3, 12, 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: a second thread only adds synchronisation, which on a busy machine costs more
+    than the work (generation ran 3-6x slower with 2 threads under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+LENGTHS = [SEQLEN, 8, 5]          # mixed lengths in one batch; the first row has no padding
+
+
+def llama_config(kv_heads: int = 2, layers: int = 2) -> LlamaConfig:
+    # initializer_range 0.2 (not the default 0.02) so attention is peaked, not near uniform: a wrong mask
+    # then moves the output a lot.
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                       initializer_range=0.2)
+
+
+def bert_config() -> BertConfig:
+    return BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=128, initializer_range=0.2)
+
+
+def gemma2_config(sliding_window: int = 4) -> Gemma2Config:
+    # Layer 0 slides (window 4 < seqlen 12), layer 1 is global; both softcap the logits at 5.
+    return Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                        sliding_window=sliding_window, attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                        initializer_range=0.2)
+
+
+def model_pair(cls, config, dtype: torch.dtype = torch.float32):
+    """(eager, fx): the same random weights, one with eager attention, one with flash_ext."""
+    torch.manual_seed(1234)
+    eager = cls(copy.deepcopy(config)).eval().to(dtype)
+    eager.set_attn_implementation("eager")
+    fx = copy.deepcopy(eager)          # deep copy: its own config, so the two implementations stay apart
+    fx.set_attn_implementation(NAME)
+    assert fx.config._attn_implementation == NAME and eager.config._attn_implementation == "eager"
+    return eager, fx
+
+
+def padding_mask(side: Optional[str]) -> Optional[torch.Tensor]:
+    if side is None:
+        return None
+    mask = torch.zeros(BATCH, SEQLEN, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        if side == "left":
+            mask[row, SEQLEN - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return mask
+
+
+def real(mask: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ones(BATCH, SEQLEN, dtype=torch.bool) if mask is None else mask.bool()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def output_of(model, ids, mask, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, **kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def assert_matches_eager_fp32(eager, fx, ids, mask, **kwargs) -> float:
+    ref, got = output_of(eager, ids, mask, **kwargs), output_of(fx, ids, mask, **kwargs)
+    keep = real(mask)
+    assert torch.isfinite(got[keep]).all()
+    c = cosine(got[keep], ref[keep])
+    assert c >= 0.9999, f"cosine {c} < 0.9999"
+    return c
+
+
+def assert_fa2_rule_bf16(cls, config, ids, mask):
+    # The reference is eager fp32, not fp64: eager softmaxes in fp32, where fp64's mask value is -inf and
+    # a padding row becomes NaN.  fp32's own error is ~1e4 times below bf16's.
+    eager32, _ = model_pair(cls, config, torch.float32)
+    eager16, fx16 = model_pair(cls, config, torch.bfloat16)
+    keep = real(mask)
+    ref = output_of(eager32, ids, mask)[keep].double()
+    err_fx = (output_of(fx16, ids, mask)[keep].double() - ref).abs().max().item()
+    err_eager = (output_of(eager16, ids, mask)[keep].double() - ref).abs().max().item()
+    floor = 2.0 ** -8 * ref.abs().max().item()
+    assert err_fx <= 2 * err_eager + floor, f"bf16: fx error {err_fx:.3g} > 2 x eager's {err_eager:.3g} + {floor:.3g}"
+
+
+def ids_for(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQLEN), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+def test_import_has_no_side_effects():
+    """``import flash_ext`` (and the integration module) neither imports transformers nor registers."""
+    # Without transformers imported there is nothing to register with, so this also shows that importing
+    # the integration registers nothing.
+    code = ("import sys, flash_ext, flash_ext.bert_padding, flash_ext.integrations.transformers\n"
+            "assert 'transformers' not in sys.modules, 'imported transformers'\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_readme_snippet_runs():
+    """The README's "Use it in a model" snippet, run as written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("<!-- model-snippet -->")[1].split("<!-- /model-snippet -->")[0]
+    code = block.strip().removeprefix("```python").removesuffix("```")
+    namespace: dict = {}
+    exec(compile(code, "README.md:model-snippet", "exec"), namespace)
+    assert namespace["model"].config._attn_implementation == NAME
+    assert namespace["tokens"].shape[0] == 2 and 16 < namespace["tokens"].shape[1] <= 16 + 20
+
+
+def test_register_validates_the_name():
+    assert fx_hf.register() == NAME == "fx_attention"          # idempotent
+    assert transformers.AttentionInterface()[NAME] is fx_hf.attention_forward
+    assert transformers.masking_utils.AttentionMaskInterface()[NAME] is fx_hf.mask_interface
+    for bad, rule in (("my_flash", "must not contain 'flash'"), ("org/kernel", "hub kernels"),
+                      ("sdpa", "transformers' own"), ("", "non-empty")):
+        with pytest.raises(ValueError, match=rule):
+            fx_hf.register(bad)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("side", ["left", "right", None], ids=["left_pad", "right_pad", "no_pad"])
+def test_decoder_matches_eager_fp32(kv_heads, side):
+    eager, fx = model_pair(LlamaForCausalLM, llama_config(kv_heads))
+    assert_matches_eager_fp32(eager, fx, ids_for(), padding_mask(side))
+
+
+def test_the_fp32_bound_rejects_a_wrong_mask():
+    """Control: the same comparison, with fx ignoring the padding, falls below the bound."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    ids, mask = ids_for(), padding_mask("left")
+    keep = real(mask)
+    c = cosine(output_of(fx, ids, None)[keep], output_of(eager, ids, mask)[keep])
+    assert c < 0.9999
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_decoder_bf16_fa2_rule(side):
+    assert_fa2_rule_bf16(LlamaForCausalLM, llama_config(), ids_for(), padding_mask(side))
+
+
+@pytest.mark.parametrize("side", ["left", "right", None], ids=["left_pad", "right_pad", "no_pad"])
+def test_encoder_matches_eager_fp32(side):
+    eager, fx = model_pair(BertModel, bert_config())
+    assert not fx.encoder.layer[0].attention.self.is_causal
+    assert_matches_eager_fp32(eager, fx, ids_for(), padding_mask(side))
+
+
+def test_encoder_bf16_fa2_rule():
+    assert_fa2_rule_bf16(BertModel, bert_config(), ids_for(), padding_mask("right"))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_padded_batch_same_tokens(cache):
+    """Greedy decoding of a left-padded batch: prefill with padding, then 19 steps of one query against a
+    growing (dynamic) or preallocated (static, empty tail) KV cache."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    ids, mask = ids_for(), padding_mask("left")
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                  cache_implementation=cache, pad_token_id=0)
+    with torch.no_grad():
+        ref, got = eager.generate(ids, **kwargs), fx.generate(ids, **kwargs)
+    assert got.shape == (BATCH, SEQLEN + 20)
+    assert torch.equal(got, ref)
+
+
+def test_kv_cache_chunk_against_longer_keys():
+    """A chunk of 4 queries against 8 cached keys + 4 new ones (bottom-right causal), with padding."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    ids, mask = ids_for(), padding_mask("left")
+    outs = []
+    for model in (eager, fx):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :8], attention_mask=mask[:, :8], cache=cache)
+            outs.append(model(ids[:, 8:], attention_mask=mask, cache=cache).logits)
+    keep = mask[:, 8:].bool()
+    assert cosine(outs[1][keep], outs[0][keep]) >= 0.9999
+
+
+@pytest.mark.parametrize("side", ["left", "right", None], ids=["left_pad", "right_pad", "no_pad"])
+def test_sliding_window_and_softcap_match_eager(side):
+    eager, fx = model_pair(Gemma2ForCausalLM, gemma2_config())
+    assert fx.model.layers[0].self_attn.sliding_window == 4
+    assert_matches_eager_fp32(eager, fx, ids_for(), padding_mask(side))
+
+
+def test_sliding_window_and_softcap_generate():
+    eager, fx = model_pair(Gemma2ForCausalLM, gemma2_config())
+    kwargs = dict(attention_mask=padding_mask("left"), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                  pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(fx.generate(ids_for(), **kwargs), eager.generate(ids_for(), **kwargs))
+
+
+def test_sliding_window_is_not_a_no_op():
+    """Control for the test above: the window changes the result (window 4 vs one spanning the input)."""
+    _, fx = model_pair(Gemma2ForCausalLM, gemma2_config())
+    _, fx_wide = model_pair(Gemma2ForCausalLM, gemma2_config(sliding_window=SEQLEN))
+    assert cosine(output_of(fx, ids_for(), None), output_of(fx_wide, ids_for(), None)) < 0.9999
+
+
+def test_packed_sequences_match_eager():
+    """Padding-free batch: three sequences in one row, told apart by position_ids restarting at 0."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    ids = ids_for()[:1]
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    ref = eager(ids, position_ids=position_ids).logits
+    got = fx(ids, position_ids=position_ids).logits
+    assert cosine(got, ref) >= 0.9999
+    assert cosine(fx(ids).logits, ref) < 0.9999      # control: the split matters
+
+
+@pytest.mark.parametrize("side", [None, "left"], ids=["no_pad", "left_pad"])
+def test_torch_compile_forward(side):
+    """One forward of the compiled model as a single graph (fullgraph; backend aot_eager: Dynamo capture,
+    the fake kernels and AOT autograd, without inductor's C++ build).  With padding the unpadding's token
+    count is data-dependent (nonzero): Dynamo captures it with capture_dynamic_output_shape_ops, otherwise
+    it breaks the graph there, as it does in transformers' own flash-attention path."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config(layers=1))   # one layer: compile time is per layer
+    torch._dynamo.reset()
+    ids, mask = ids_for(), padding_mask(side)
+    keep = real(mask)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=side is not None):
+        compiled = torch.compile(fx, backend="aot_eager", fullgraph=True)
+        got = output_of(compiled, ids, mask)
+    assert cosine(got[keep], output_of(eager, ids, mask)[keep]) >= 0.9999
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what it cannot serve: an error, not an answer
+
+def test_4d_mask_is_refused():
+    _, fx = model_pair(LlamaForCausalLM, llama_config())
+    additive = torch.zeros(BATCH, 1, SEQLEN, SEQLEN)
+    with pytest.raises(ValueError, match="attention_mask: got a 4-D torch.float32 tensor"):
+        fx(ids_for(), attention_mask=additive)
+
+
+def test_union_pattern_is_refused():
+    """E.g. bidirectional image-token blocks inside a causal mask: an or_mask_function."""
+    from transformers.masking_utils import create_causal_mask
+    _, fx = model_pair(LlamaForCausalLM, llama_config())
+    embeds = torch.zeros(BATCH, SEQLEN, 64)
+    with pytest.raises(ValueError, match="a union of patterns"):
+        create_causal_mask(fx.config, embeds, padding_mask("left"), None,
+                           or_mask_function=lambda b, h, q, kv: kv < 2)
+    with pytest.raises(ValueError, match="unrecognised mask predicate"):
+        create_causal_mask(fx.config, embeds, padding_mask("left"), None,
+                           and_mask_function=lambda b, h, q, kv: kv != 3)
+
+
+def test_unsupported_arguments_are_refused():
+    _, fx = model_pair(LlamaForCausalLM, llama_config())
+    module = fx.model.layers[0].self_attn
+    q = torch.randn(2, 4, 5, 16)
+    kv = torch.randn(2, 2, 5, 16)
+    with pytest.raises(ValueError, match="s_aux: given"):
+        fx_hf.attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="position_bias: given"):
+        fx_hf.attention_forward(module, q, kv, kv, None, position_bias=torch.zeros(1, 4, 5, 5))
+    with pytest.raises(ValueError, match="attention_mask: got a 2-D torch.float32"):
+        fx_hf.attention_forward(module, q, kv, kv, torch.zeros(2, 5))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dropout and backward: checked against what flash_ext does today
+
+def _refusal(fn: Callable[[], object]) -> Optional[str]:
+    """flash_ext's NotImplementedError message when it refuses ``fn``, else None."""
+    try:
+        fn()
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def _dropout_refusal() -> Optional[str]:
+    x = torch.randn(1, 8, 2, 16)
+    return _refusal(lambda: flash_ext.flash_attn_func(x, x, x, dropout_p=0.5))
+
+
+def _backward_refusal() -> Optional[str]:
+    x = torch.randn(1, 8, 2, 16, requires_grad=True)
+    return _refusal(lambda: flash_ext.flash_attn_func(x, x, x).sum().backward())
+
+
+def _dropout_models():
+    config = llama_config()
+    config.attention_dropout = 0.5
+    eager, fx = model_pair(LlamaForCausalLM, config)
+    return eager.train(), fx.train()
+
+
+def test_training_mode_dropout_is_never_silently_skipped():
+    """Training with attention dropout either reaches flash_ext's dropout or raises its refusal."""
+    _, fx = _dropout_models()
+    refusal = _dropout_refusal()
+    if refusal is not None:
+        with pytest.raises(NotImplementedError, match="dropout"):
+            fx(ids_for(), attention_mask=padding_mask("left"))
+    else:
+        with torch.no_grad():
+            trained = fx(ids_for(), attention_mask=padding_mask("left")).logits
+            evaluated = fx.eval()(ids_for(), attention_mask=padding_mask("left")).logits
+        assert torch.isfinite(trained).all() and not torch.allclose(trained, evaluated)
+
+
+@pytest.mark.parametrize("side", ["left", None], ids=["left_pad", "no_pad"])
+def test_training_mode_dropout_mean_matches_eval(side):
+    """Inverted dropout keeps the expectation: the mean over many dropout draws of the attention layer's
+    output approaches the output without dropout."""
+    refusal = _dropout_refusal()
+    if refusal is not None:
+        pytest.skip(f"flash_ext refuses dropout: {refusal}")
+    _, fx = _dropout_models()
+    module = fx.model.layers[0].self_attn
+    q, kv = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+    mask = None if side is None else torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    base, _ = fx_hf.attention_forward(module.eval(), q, kv, kv, mask, dropout=0.0, scaling=0.25)
+    draws = torch.stack([fx_hf.attention_forward(module.train(), q, kv, kv, mask, dropout=0.5, scaling=0.25)[0]
+                         for _ in range(400)])
+    keep = slice(None) if mask is None else mask[:, -6:]
+    assert (draws.mean(0) - base)[keep].abs().max() < 0.25 * base[keep].abs().max()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_backward_matches_eager(side):
+    """Parameter gradients through unpad -> varlen -> pad, vs eager.  The loss reads only real positions
+    (a language-model loss would also read the padding row before a left-padded prompt's first token, whose
+    output is arbitrary and differs between implementations)."""
+    refusal = _backward_refusal()
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    ids, mask = ids_for(), padding_mask(side)
+    keep = real(mask)
+    weight = torch.randn(int(keep.sum()), VOCAB, generator=torch.Generator().manual_seed(7))
+
+    def loss_of(model):
+        return (model(ids, attention_mask=mask).logits[keep] * weight).sum()
+
+    if refusal is not None:
+        with pytest.raises(NotImplementedError, match="backward"):
+            loss_of(fx.train()).backward()
+        pytest.skip(f"flash_ext refuses the backward pass: {refusal}")
+    grads = []
+    for model in (eager.train(), fx.train()):
+        model.zero_grad()
+        loss_of(model).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert cosine(grads[1], grads[0]) >= 0.9999
