@@ -51,7 +51,8 @@ FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split
 
 
 def describe(demangled: str) -> dict | None:
-    m = re.search(r"Sm80Traits<(\d+), (\d+), (\d+), (\d+), cutlass::(\w+)>", demangled)
+    # Sm80Traits<head dim, M, N, warps, element[, architecture policy]>
+    m = re.search(r"Sm80Traits<(\d+), (\d+), (\d+), (\d+), cutlass::(\w+)(?:, [\w:]+)?>", demangled)
     f = re.search(r"KernelFlags<(.*)>\s*>\s*\(", demangled)
     if not m:
         return None
