@@ -47,7 +47,7 @@ def demangle(names: list[str]) -> list[str]:
         return names
 
 
-FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split")
+FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split", "dropout")
 
 
 def describe(demangled: str) -> dict | None:
