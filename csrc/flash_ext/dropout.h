@@ -98,8 +98,8 @@ CUTE_HOST_DEVICE bool dropout_keep(DropoutRng const& rng, int i, int j) {
 // softmax's finalize.
 //
 // Traits::dropout_groups views a thread's accumulator fragment (MMA, MMA_M, MMA_N) as (SLOT, GROUP) with the
-// slots in the contract's order; slot 0's coordinate anchors the group (tests/cpp/test_traits.cpp checks the
-// view against the contract for every thread).  Traits::DropoutWord says how many groups one Philox
+// slots in the contract's order; slot 0's coordinate anchors the group (tests/cpp/test_dropout.cpp checks the
+// view against the contract for every thread of every tile config).  Traits::DropoutWord says how many groups one Philox
 // evaluation serves (one on the GPU; several vector lanes on the host).
 // AccLayout: the (static) layout of the accumulator fragment the bits are for.
 template <class Traits, class AccLayout>
@@ -132,7 +132,7 @@ CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& c
   Word const key0 = Lanes::broadcast(rng.key0), key1 = Lanes::broadcast(rng.key1);
   CUTE_UNROLL
   for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) {
-    Word gcol = bh, grow = bh;
+    Word gcol = bh, grow = bh;  // every lane is set below
     CUTE_UNROLL
     for (int l = 0; l < Lanes::kLanes; ++l) {
       Lanes::set(grow, l, dropout_group_row(row0 + int(get<0>(gC(0, g0 + l)))));
