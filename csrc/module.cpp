@@ -107,6 +107,7 @@ py::dict plan_to_dict(ops::Plan const& p) {
   py::dict flags;
   flags["even_mn"] = p.even_mn, flags["even_k"] = p.even_k, flags["causal"] = p.causal, flags["local"] = p.local;
   flags["alibi"] = p.alibi, flags["softcap"] = p.softcap, flags["split"] = p.num_splits > 1;
+  flags["dropout"] = p.dropout;
   d["flags"] = flags;
   d["window"] = std::vector<int>{p.window_left, p.window_right};
   d["hbm_bytes"] = p.hbm_bytes, d["naive_hbm_bytes"] = p.naive_hbm_bytes;
@@ -125,13 +126,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_fwd",
         [](at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
            int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
-           int64_t num_splits) {
+           int64_t num_splits, double dropout_p) {
           return plan_to_dict(ops::plan_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                            alibi_slopes, num_splits));
+                                            alibi_slopes, num_splits, dropout_p));
         },
         "What flash_ext.fwd would run for these arguments, or every reason it cannot; runs nothing.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
-        py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("num_splits") = 0);
+        py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("num_splits") = 0,
+        py::arg("dropout_p") = 0.0);
   m.def("num_splits_heuristic",
         [](int ctas, int processors, int n_blocks) {
           return num_splits_heuristic(ctas, processors, n_blocks, int(ops::kMaxSplits));

@@ -70,12 +70,11 @@ def explain(
     the explanation unless ``verbose=False``.  Set ``FLASH_EXT_LOG=1`` to log the plan of every call.
     """
     reasons = []
-    if dropout_p != 0.0:
-        reasons.append(f"dropout_p: got {dropout_p}; dropout is not implemented yet (must be 0.0)")
     q, k, v, softmax_scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
     # The plan is the C++ dispatcher's own decision (the same code the op runs), not a re-derivation.
     plan: dict[str, Any] = _C.plan_fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
-                                       int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
+                                       int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
+                                       float(dropout_p))
     reasons += plan.get("reasons", [])
     ok = plan.get("ok", False) and not reasons
     result = Explanation(ok=ok, reasons=reasons, plan=plan, hbm_bytes=plan.get("hbm_bytes", 0),

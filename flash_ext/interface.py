@@ -1,12 +1,14 @@
 """FA2 2.8-compatible Python API.  Every function ends in one call of ``torch.ops.flash_ext.fwd``."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from .dropout import s_dmask, s_dmask_varlen
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -23,12 +25,15 @@ def _window_size_error(window_size) -> Optional[str]:
 
 
 def _check_python_args(dropout_p: float, window_size) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"flash_ext: dropout_p={dropout_p}: dropout is not implemented yet (only dropout_p=0.0 is supported)")
+    """Python-side argument types; the value rules (dropout_p in [0, 1), ...) are the op's."""
+    errors = []
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
+        errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1)")
     window_error = _window_size_error(window_size)
     if window_error:
-        raise ValueError(f"flash_ext: {window_error}")
+        errors.append(window_error)
+    if errors:
+        raise ValueError("flash_ext: " + "; ".join(errors))
 
 
 def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], rank: int,
@@ -77,24 +82,40 @@ def flash_attn_func(
     * ``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` before masking.
     * ``alibi_slopes`` fp32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
     * A query row that sees no key gets output 0 and log-sum-exp ``+inf``.
-    * ``dropout_p`` must be 0 (dropout is not implemented yet); ``deterministic`` is accepted for
-      compatibility: the forward pass is always deterministic.
+    * ``dropout_p`` in ``[0, 1)`` (1 is refused, as flash_attn 2.8 does): each softmax probability is
+      dropped with probability ``dropout_p`` and the output is ``(P * mask) @ v / (1 - dropout_p)``; the
+      log-sum-exp is that of the undropped scores.  The mask is a pure function of a seed/offset drawn
+      from torch's default generator of q's device (``torch.manual_seed`` repeats it bit for bit,
+      consecutive calls differ, CUDA graph replays draw anew) and of the element's (batch, head, row,
+      column): the same on the CPU and the GPU, whatever the tiling or ``num_splits`` (docs/design.md,
+      "Dropout").  ``dropout_p=0`` gives exactly the result without dropout.  ``deterministic`` is
+      accepted for compatibility: the forward pass is always deterministic.
     * ``num_splits`` (an addition to flash_attn's signature): split-KV parallelism.  0 picks it with the
       heuristic (splits only when the grid would leave processors idle: few batch x heads x query blocks,
       long seqlen_k), 1 turns it off, n > 1 forces n splits (at most 128).  Results equal the unsplit ones
       up to fp32 rounding of the combine.
 
     Returns ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs=True`` returns
-    ``(out, softmax_lse, None)`` where ``softmax_lse`` is fp32 ``(batch, nheads, seqlen_q)`` (the attention
-    probabilities themselves are never formed; the third element is reserved for dropout).
+    ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is fp32 ``(batch, nheads, seqlen_q)`` and
+    ``S_dmask`` is None without dropout, else (testing only) the softmax probabilities
+    ``(batch, nheads, seqlen_q, seqlen_k)`` in q's dtype with the dropped ones negated (``-0.0`` for a
+    dropped 0), recomputed after the kernel by an O(seqlen_q x seqlen_k) path (flash_ext/dropout.py).
+    Unlike flash_attn's, it is normalised and not padded to multiples of 128.
     """
     _check_python_args(dropout_p, window_size)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=4)
-    out, lse = torch.ops.flash_ext.fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
-                                       int(window_size[1]), float(softcap), alibi_slopes, int(num_splits))
+    out, lse, rng_state = torch.ops.flash_ext.fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
+                                                  int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
+                                                  float(dropout_p))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    probs = None
+    if dropout_p > 0:
+        probs = s_dmask(q, k, lse, rng_state, float(dropout_p), softmax_scale, bool(causal),
+                        (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes)
+    return out, lse, probs
 
 
 def flash_attn_qkvpacked_func(
@@ -171,17 +192,28 @@ def flash_attn_varlen_func(
     ``flash_attn_func``.  ``block_table`` (int32, (batch, max_pages)): paged K/V, k/v then being
     ``(num_pages, page_size, nheads_k, headdim)`` with page_size a multiple of 128; sequence ``i``'s keys
     are its first ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` rows across pages ``block_table[i, :]``.
+    Dropout: the mask of sequence ``i`` uses ``i`` as the batch coordinate and rows/columns counted within
+    the sequence; ``S_dmask`` is ``(batch, nheads, max_seqlen_q, max_seqlen_k)``, zero outside each
+    sequence's block.
     """
     _check_python_args(dropout_p, window_size)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3,
                                                     kv_rank=4 if block_table is not None else 3)
-    out, lse = torch.ops.flash_ext.varlen_fwd(
+    out, lse, rng_state = torch.ops.flash_ext.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
-        block_table)
+        block_table, float(dropout_p))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    probs = None
+    if dropout_p > 0:
+        probs = s_dmask_varlen(q, k, lse, rng_state, float(dropout_p), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                               int(max_seqlen_k), softmax_scale, bool(causal),
+                               (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes, seqused_k,
+                               block_table)
+    return out, lse, probs
 
 
 def flash_attn_varlen_qkvpacked_func(

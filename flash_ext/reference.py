@@ -15,6 +15,8 @@ Semantics (flash_attn 2.8), with ``i`` the query row, ``j`` the key column and
    Invisible scores become ``-inf``.
 5. ``out_i = softmax(s_i) @ v`` and ``lse_i = logsumexp(s_i)``.  A row that sees no key at all gets
    ``out_i = 0`` and ``lse_i = +inf`` (never NaN).
+6. Dropout (given a keep mask and ``dropout_p``): ``out_i = (softmax(s_i) * keep_i) @ v / (1 - dropout_p)``;
+   ``lse_i`` is unchanged (that of the undropped scores).
 
 Grouped-query attention (``nheads_k < nheads``) is handled by repeating every K/V head
 ``nheads // nheads_k`` times, so query head ``h`` uses K/V head ``h // (nheads // nheads_k)``.
@@ -78,6 +80,8 @@ def attention_ref(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     upcast: bool = True,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention forward pass; returns ``(out, lse)``.
 
@@ -88,6 +92,9 @@ def attention_ref(
             (unpadded) head dim.
         causal, window_size, softcap, alibi_slopes: as in ``flash_ext.flash_attn_func`` (see the module
             docstring for the exact formulas).
+        dropout_p, dropout_mask: bool ``(batch, nheads, seqlen_q, seqlen_k)``, True where a probability is
+            kept (step 6); ``None``: no dropout.  The kept probabilities are scaled by ``1 / (1 - dropout_p)``
+            in the softmax's dtype before ``P @ v``.
         upcast: selects the arithmetic.
 
             * ``True``: q, k, v (and the slopes) are converted to float64 and every step runs in float64.
@@ -150,6 +157,9 @@ def attention_ref(
     lse = torch.where(any_visible, safe_max + torch.log(torch.where(any_visible, denom, torch.ones_like(denom))),
                       torch.full_like(denom, float("inf"))).squeeze(-1)  # (b, h, sq)
 
+    if dropout_mask is not None:
+        mask = dropout_mask.to(q.device)
+        probs = torch.where(mask, probs / (1.0 - dropout_p), torch.zeros_like(probs))
     out = rearrange(torch.matmul(probs.to(io_dtype), vh), "b h s d -> b s h d").contiguous()
     return out, lse.contiguous()
 

@@ -10,6 +10,8 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH=$CUDA_HOME/bin:$PATH PYTHONUNBUFFERED=1
+# flash_ext is imported from this checkout (never pip-installed); scripts/*.py need it on the path.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -d .carry/cutlass/include ]; then export CUTLASS_INCLUDE_DIR=$PWD/.carry/cutlass/include; fi
 PY=${PY:-python3}
 declare -A status
@@ -35,9 +37,11 @@ step memcheck 120 compute-sanitizer --tool memcheck --leak-check no --error-exit
 step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitizer_cases.py --quick
 step bench 150 $PY -m flash_ext.bench --device cuda --json "$OUT/bench.json"
 step decode 90 $PY -m flash_ext.bench decode --device cuda --json "$OUT/decode.json"
+step dropout 90 $PY -m flash_ext.bench dropout --device cuda --headdims 64 128 --seqlens 1024 4096 --json "$OUT/dropout.json"
 
 echo
 echo "== summary ($(cat "$OUT/commit.txt"), $(head -2 "$OUT/gpu.txt" | tail -1))"
-for s in build kernels tests memcheck racecheck bench decode; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
+for s in build kernels tests memcheck racecheck bench decode dropout; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
 grep -E "TFLOP|ratio|FAIL" "$OUT/bench.log" | tail -n 30 || true
 tail -n 9 "$OUT/decode.log" || true
+tail -n 12 "$OUT/dropout.log" || true

@@ -47,7 +47,9 @@ def demangle(names: list[str]) -> list[str]:
         return names
 
 
-FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split")
+NOTES_MARKER = "<!-- notes: kept by scripts/kernel_report.py when it regenerates the table above -->"
+
+FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split", "dropout")
 
 
 def describe(demangled: str) -> dict | None:
@@ -114,7 +116,12 @@ def main() -> int:
             f"CTAs/SM is min(65536 / (registers x threads), smem per SM / smem per CTA).\n\n"
             f"{len(rows)} kernels, {len(bad)} with stack or local memory.\n\n" + head + body)
     if args.out:
-        pathlib.Path(args.out).write_text(text)
+        # Hand-written notes below the marker (measurements such as compile times) survive a regeneration.
+        out = pathlib.Path(args.out)
+        old = out.read_text() if out.exists() else ""
+        if NOTES_MARKER in old:
+            text += "\n" + old[old.index(NOTES_MARKER):]
+        out.write_text(text)
     print(head + body, end="")
     print(f"{len(rows)} kernels, {len(bad)} with stack/local memory")
     if args.gate and bad:

@@ -58,8 +58,12 @@ def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def check_close(out: torch.Tensor, lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *, softmax_scale: Optional[float] = None, causal: bool = False,
                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                alibi_slopes: Optional[torch.Tensor] = None, context: str = "") -> dict:
+                alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                dropout_mask: Optional[torch.Tensor] = None, context: str = "") -> dict:
     """Asserts the pass rule above for a kernel result (``out``, ``lse``) of the given inputs.
+
+    With ``dropout_mask`` (bool ``(b, h, sq, sk)``, True = kept), both references apply that mask and the
+    ``1 / (1 - dropout_p)`` scale (flash_ext/reference.py, step 6).
 
     Returns the measured errors (useful when printing a failing case).
     """
@@ -70,7 +74,7 @@ def check_close(out: torch.Tensor, lse: Optional[torch.Tensor], q: torch.Tensor,
     out = out.detach().cpu()
     q, k, v = _cpu(q), _cpu(k), _cpu(v)
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-              alibi_slopes=_cpu(alibi_slopes))
+              alibi_slopes=_cpu(alibi_slopes), dropout_p=dropout_p, dropout_mask=_cpu(dropout_mask))
     out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kw)
     out_same, lse_same = attention_ref(q, k, v, upcast=False, **kw)
 

@@ -107,9 +107,15 @@ def test_several_problems_rank_and_dtype():
         assert w in msg, f"{w!r} missing from:\n{msg}"
 
 
-def test_dropout_is_not_a_value_error():
-    with pytest.raises(NotImplementedError):
-        flash_attn_func(q0, k0, v0, dropout_p=0.2)
+def test_dropout_p_rules():
+    """dropout_p must be a number in [0, 1): 1 is refused as flash_attn 2.8 refuses it; listed with the rest."""
+    for bad in (1.0, -0.1, float("nan"), 1.5):
+        msg = _error(flash_attn_func, q0, k0, v0, dropout_p=bad)
+        assert "dropout_p: got" in msg and "[0, 1)" in msg, msg
+    msg = _error(flash_attn_func, q0.double(), k0, v0, dropout_p=1.0)
+    assert "dropout_p" in msg and "q.dtype" in msg, msg
+    msg = _error(flash_attn_func, q0, k0, v0, dropout_p="0.1")
+    assert "dropout_p: got '0.1'" in msg, msg
 
 
 def test_valid_after_error():

@@ -1,5 +1,6 @@
 """Runs the C++ host tests (CMakeLists.txt, ctest) from pytest: the GPU traits' tile partitions checked
-without a GPU, and the kernel body with host traits against a double-precision loop."""
+without a GPU, the kernel body with host traits against a double-precision loop, and dropout's Philox
+known answers and mask contract."""
 from __future__ import annotations
 
 import pathlib
@@ -26,7 +27,7 @@ def cpp_build() -> pathlib.Path:
     return BUILD
 
 
-@pytest.mark.parametrize("name", ["test_traits", "test_host_kernel"])
+@pytest.mark.parametrize("name", ["test_traits", "test_host_kernel", "test_dropout"])
 def test_ctest(cpp_build: pathlib.Path, name: str) -> None:
     result = subprocess.run(["ctest", "--test-dir", str(cpp_build), "--output-on-failure", "-R", f"^{name}$"],
                             capture_output=True, text=True)

@@ -84,19 +84,24 @@ enum class FlagMode : unsigned char { kFalse, kTrue, kRuntime };
 
 struct Variant {
   const char* name;
-  FlagMode even_mn, even_k, local, alibi, softcap, split;
+  FlagMode even_mn, even_k, local, alibi, softcap, split, dropout;
 };
 
 inline constexpr Variant kVariants[] = {
     // Tile-multiple sequence lengths, head dim equal to the tile's, no extras: no predicate anywhere.
-    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse},
+    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
+     FlagMode::kFalse},
     // Any sequence length and head dim, plain or causal attention, split-KV or not: the usual inference
     // and decode case.  Splitting only changes the tile range and the epilogue, so it costs no kernel.
     {"uneven", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
-     FlagMode::kRuntime},
+     FlagMode::kRuntime, FlagMode::kFalse},
     // Local windows, ALiBi and softcap as runtime branches.
     {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
-     FlagMode::kRuntime},
+     FlagMode::kRuntime, FlagMode::kFalse},
+    // Training: dropout with every other feature as a runtime branch, so one kernel per file admits every
+    // flash_attn feature combination with dropout.  The kernels without dropout contain no RNG code.
+    {"dropout", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kRuntime, FlagMode::kTrue},
 };
 inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
@@ -105,7 +110,7 @@ inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0])
 constexpr FlagMode local_mode(Variant v, bool causal) { return causal ? FlagMode::kFalse : v.local; }
 
 struct ProblemFlags {
-  bool even_mn, even_k, local, alibi, softcap, split;
+  bool even_mn, even_k, local, alibi, softcap, split, dropout;
 };
 
 // The runtime facts the flags stand for, for a tile of block_m x block_n and a head-dim tile.  Varlen
@@ -113,7 +118,7 @@ struct ProblemFlags {
 CUTE_HOST_DEVICE constexpr ProblemFlags problem_flags(FwdParams const& p, int block_m, int block_n, int head_dim) {
   bool const varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
   return {!varlen && p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0, p.d == head_dim, p.is_local,
-          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f, p.num_splits > 1};
+          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f, p.num_splits > 1, p.is_dropout};
 }
 
 constexpr bool admits(FlagMode mode, bool value) {
@@ -122,7 +127,8 @@ constexpr bool admits(FlagMode mode, bool value) {
 
 constexpr bool variant_admits(Variant v, bool causal, ProblemFlags p) {
   return admits(v.even_mn, p.even_mn) && admits(v.even_k, p.even_k) && admits(local_mode(v, causal), p.local) &&
-         admits(v.alibi, p.alibi) && admits(v.softcap, p.softcap) && admits(v.split, p.split);
+         admits(v.alibi, p.alibi) && admits(v.softcap, p.softcap) && admits(v.split, p.split) &&
+         admits(v.dropout, p.dropout);
 }
 
 // The first (most specialised) variant that admits the problem; -1 if none does.
@@ -133,11 +139,15 @@ constexpr int select_variant(bool causal, ProblemFlags p) {
   return -1;
 }
 
-static_assert(select_variant(false, {true, true, false, false, false, false}) == 0);
-static_assert(select_variant(true, {false, true, false, false, false, false}) == 1);
-static_assert(select_variant(true, {true, true, false, false, false, true}) == 1, "split-KV runs the uneven kernel");
-static_assert(select_variant(false, {true, true, true, true, true, true}) == 2);
-static_assert(select_variant(true, {true, true, true, false, false, false}) == -1, "causal files have no local branch");
+static_assert(select_variant(false, {true, true, false, false, false, false, false}) == 0);
+static_assert(select_variant(true, {false, true, false, false, false, false, false}) == 1);
+static_assert(select_variant(true, {true, true, false, false, false, true, false}) == 1, "split-KV runs the uneven kernel");
+static_assert(select_variant(false, {true, true, true, true, true, true, false}) == 2);
+static_assert(select_variant(true, {true, true, true, false, false, false, false}) == -1, "causal files have no local branch");
+static_assert(select_variant(false, {true, true, false, false, false, false, true}) == 3, "dropout has its own kernel");
+static_assert(select_variant(false, {false, false, true, true, true, true, true}) == 3 &&
+                  select_variant(true, {false, false, false, true, true, true, true}) == 3,
+              "every feature combination has a dropout kernel");
 
 template <FlagMode M>
 using FlagType = std::conditional_t<M == FlagMode::kRuntime, bool, cute::C<M == FlagMode::kTrue>>;
@@ -146,7 +156,7 @@ template <int kVariant, bool kCausal>
 using VariantFlags = KernelFlags<FlagType<kVariants[kVariant].even_mn>, FlagType<kVariants[kVariant].even_k>,
                                  cute::C<kCausal>, FlagType<local_mode(kVariants[kVariant], kCausal)>,
                                  FlagType<kVariants[kVariant].alibi>, FlagType<kVariants[kVariant].softcap>,
-                                 FlagType<kVariants[kVariant].split>>;
+                                 FlagType<kVariants[kVariant].split>, FlagType<kVariants[kVariant].dropout>>;
 
 // ---------------------------------------------------------------------------------------------------
 // Split-KV heuristic.  One CTA per (m_block, batch, head) leaves processors idle when there are fewer such

@@ -11,7 +11,8 @@
 
 namespace flash_ext {
 
-template <class EvenMN, class EvenK, class Causal, class Local, class Alibi, class Softcap, class Split>
+template <class EvenMN, class EvenK, class Causal, class Local, class Alibi, class Softcap, class Split,
+          class Dropout>
 struct KernelFlags {
   EvenMN even_mn;   // seqlen_q % kBlockM == 0 and seqlen_k % kBlockN == 0: no row predicates on Q/K/V/O
   EvenK even_k;     // d == kHeadDim: no column predicates, no zero-filled head-dim padding
@@ -20,9 +21,10 @@ struct KernelFlags {
   Alibi alibi;      // ALiBi bias
   Softcap softcap;  // score = softcap * tanh(score / softcap)
   Split split;      // split-KV: this CTA handles a share of the K/V tiles and writes fp32 partials
+  Dropout dropout;  // dropout on P (dropout.h); a static false leaves no random-number code in the kernel
 };
 
-using DynamicFlags = KernelFlags<bool, bool, bool, bool, bool, bool, bool>;
+using DynamicFlags = KernelFlags<bool, bool, bool, bool, bool, bool, bool, bool>;
 
 // A flag value as the body sees it: the static constant when the flag is static, else the runtime value.
 template <class Flag>

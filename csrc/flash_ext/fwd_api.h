@@ -30,6 +30,10 @@ CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major
 // success, else the reason.
 std::string run_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor,
                          int max_smem_per_block_optin, void* stream);
+// The dropout keep mask (batch, heads, seqlen_q, seqlen_k) of dropout.h into `mask` (device memory), with the
+// seed/offset and threshold of `params` (csrc/cuda/dropout_mask.cu).
+std::string run_dropout_mask_cuda(FwdParams const& params, bool* mask, int batch, int heads, int seqlen_q,
+                                  int seqlen_k, void* stream);
 #endif
 
 }  // namespace flash_ext

@@ -11,6 +11,7 @@
 #include "block_info.h"
 #include "copy.h"
 #include "dispatch.h"
+#include "dropout.h"
 #include "epilogue.h"
 #include "flags.h"
 #include "gemm.h"
@@ -34,6 +35,7 @@ CUTE_HOST_DEVICE Flags flags_from_params(FwdParams const& p) {
   f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
   f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
   f.split = make_flag<decltype(f.split)>(pf.split);
+  f.dropout = make_flag<decltype(f.dropout)>(pf.dropout);
   return f;
 }
 
@@ -45,6 +47,14 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+
+  // The (seed, offset) this launch used, for the backward: written once, before any CTA can exit early.
+  if (flags.dropout && params.rng_state_out != nullptr && tidx == 0 && bidb == 0 && bidh == 0 && m_block == 0 &&
+      n_split == 0) {
+    PhiloxSeedOffset const so = dropout_seed_offset(params);
+    params.rng_state_out[0] = int64_t(so.seed);
+    params.rng_state_out[1] = int64_t(so.offset);
+  }
 
   BlockInfo const binfo(params, bidb);
   if (m_block * kBlockM >= binfo.seqlen_q) { return; }
@@ -120,9 +130,9 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
   Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);                                          // (CPY,CPY_K,CPY_N)
 
-  // (row, col) of every score this thread holds, for masks and ALiBi.
-  Tensor tScS = acc_rowcol<Traits::kAccValCols>(
-      thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));    // (ROWS,COLS) -> (m,n)
+  // (row, col) of every score this thread holds, for masks, ALiBi and dropout.
+  Tensor tScS_acc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (MMA,MMA_M,MMA_N) -> (m,n)
+  Tensor tScS = acc_rowcol<Traits::kAccValCols>(tScS_acc);                                // (ROWS,COLS) -> (m,n)
 
   int const row0 = m_block * kBlockM;
   int const rows_left = binfo.seqlen_q - row0;
@@ -139,6 +149,11 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     alibi_slope = params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.score_scale;
   }
   ScoreMask<Flags> const mask{binfo, window, alibi_slope};
+  // Dropout: the mask's constants for this (batch, query head); the mask is defined per sequence (dropout.h).
+  DropoutRng const rng = flags.dropout ? DropoutRng::make(dropout_seed_offset(params), bidb, bidh, params.h,
+                                                          params.dropout_threshold)
+                                       : DropoutRng{};
+  using AccSLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
   OnlineSoftmax<Traits, kNRows> softmax;
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
   // Right to left over [n_min, n_max): first the tiles some row sees only in part (sequence end, causal
@@ -158,6 +173,11 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     copy_tile<Traits>(gmem_tiled_copy_QKV, tVgV(n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
               params.d, flags.even_mn, flags.even_k);
     Traits::cp_async_fence();
+
+    // This tile's dropout mask, one bit per element.  Issued before Q.K^T: it depends only on coordinates,
+    // so its integer work overlaps the tensor cores instead of lengthening the softmax.
+    DropoutBits<Traits, AccSLayout> keep;
+    if (flags.dropout) { keep = dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN); }
 
     if constexpr (Traits::kQInRegs) {
       if (n_block == n_max - 1) {  // Q landed with the first K tile (same cp.async group)
@@ -184,13 +204,15 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     }
 
     softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, n_block == n_max - 1);
+    // Dropout zeroes probabilities after the row sums took them in: the LSE is that of the undropped softmax.
+    if (flags.dropout) { apply_dropout_bits<Traits>(acc_s, keep); }
 
     // P goes straight from the accumulator registers into the A operand of P.V.
     Tensor tOrP = make_p_operand<Traits>(acc_s);                                              // (MMA,MMA_M,MMA_K)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
   }
 
-  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse());
+  Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse(), flags.dropout, params.dropout_scale);
   // The last read of sQ (the final Q.K^T) happened before the loop's second barrier: sO may reuse it.
   write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
 }

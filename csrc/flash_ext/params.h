@@ -76,6 +76,22 @@ struct FwdParams {
   // ALiBi: score += -slope * |i + seqlen_k - seqlen_q - j|, slopes fp32 (h) or (b, h).
   float const* __restrict__ alibi_slopes_ptr = nullptr;
   index_t alibi_slopes_batch_stride = 0;
+
+  // Dropout on P (dropout.h defines the mask): element (b, h, i, j) is kept iff its 16 random bits are
+  // below dropout_threshold = round((1 - p) * 65536); O is scaled by dropout_scale = 1 / (1 - p).  The
+  // Philox seed and offset are rng_seed and rng_offset, except that a pointer, when set, is read by the
+  // kernel instead: seed = *rng_seed_ptr, offset = *rng_offset_ptr + rng_offset.  That serves CUDA graph
+  // capture (the generator's device-side seed and offset base, read at replay, not baked in at capture)
+  // and an rng_state tensor passed in by the caller (seed and offset read from its two int64 entries).
+  // The kernel writes the (seed, offset) it used to rng_state_out[0..1] (one thread), if set.
+  // Declared last so that the fields above keep their offsets: kernels without dropout are unchanged.
+  bool is_dropout = false;
+  uint32_t dropout_threshold = 65536;
+  float dropout_scale = 1.f;
+  uint64_t rng_seed = 0, rng_offset = 0;
+  int64_t const* rng_seed_ptr = nullptr;
+  int64_t const* rng_offset_ptr = nullptr;
+  int64_t* rng_state_out = nullptr;
 };
 
 }  // namespace flash_ext

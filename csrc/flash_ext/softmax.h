@@ -68,16 +68,20 @@ struct OnlineSoftmax {
   // -inf for a split-KV partial (it then weighs nothing in the combine).  Its sum is exactly 0, and only
   // its: a row that saw a key has sum >= 1 (its maximum contributes exp2(0)).  A NaN score (NaN in q or k)
   // makes the sum NaN, which is NOT an empty row: 1 / NaN and log(NaN) carry it into O and LSE, and the
-  // combine carries a NaN partial through, so the answer does not depend on the split count.
-  template <class AccO>
-  CUTE_HOST_DEVICE TensorT finalize(AccO& acc_o, float score_scale, float empty_lse = INFINITY) {
+  // combine carries a NaN partial through, so the answer does not depend on the split count.  With scale_o
+  // (a flag: dropout), O is also multiplied by o_scale (dropout's 1 / (1 - p)), folded into the normalisation
+  // rather than an extra pass over acc_o; a static false leaves the code exactly as without the parameter.
+  template <class AccO, class ScaleO = cute::C<false>>
+  CUTE_HOST_DEVICE TensorT finalize(AccO& acc_o, float score_scale, float empty_lse = INFINITY, ScaleO scale_o = {},
+                                    float o_scale = 1.f) {
     using namespace cute;
     TensorT lse = make_tensor<float>(Shape<Int<kNRows>>{});
     CUTE_UNROLL
     for (int i = 0; i < kNRows; ++i) {
       float const sum = Traits::row_allreduce(row_sum(i), SumOp{});
       bool const empty = sum == 0.f;
-      float const inv = empty ? 0.f : 1.f / sum;
+      float inv = empty ? 0.f : 1.f / sum;
+      if (scale_o) { inv *= o_scale; }
       lse(i) = empty ? empty_lse : row_max(i) * score_scale + logf(sum);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(acc_o); ++j) { acc_o(i, j) *= inv; }

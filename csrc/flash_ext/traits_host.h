@@ -13,6 +13,11 @@
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/array.h>
 #include <cutlass/numeric_types.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "philox.h"
 
 namespace flash_ext {
 
@@ -150,6 +155,41 @@ inline void mma_unpack(MMA_Traits<flash_ext::HostMma8x16x16<T>> const&, Tensor<T
 
 namespace flash_ext {
 
+// Philox words for dropout on the host (philox.h, dropout.h): four groups per evaluation, each counter word
+// in the low half of a 64-bit lane (upper halves are don't-care), so that every 32x32->64 product of a round
+// is one even-lane multiply (pmuludq) with no lane shuffles.  (A compiler that sees a 64-bit vector multiply
+// emits three multiplies; on uint32 lanes it shuffles to widen: both measured ~2x slower than scalar code.)
+struct HostPhiloxWord {
+  typedef uint64_t v4u64 __attribute__((vector_size(32)));
+  v4u64 v;
+};
+inline HostPhiloxWord operator^(HostPhiloxWord a, HostPhiloxWord b) { return {a.v ^ b.v}; }
+inline HostPhiloxWord operator+(HostPhiloxWord a, uint32_t b) { return {a.v + uint64_t(b)}; }
+inline HostPhiloxWord philox_mul_hi_lo(uint32_t m, HostPhiloxWord x, HostPhiloxWord& hi) {
+  HostPhiloxWord p;
+#if defined(__AVX2__)
+  p.v = (HostPhiloxWord::v4u64)_mm256_mul_epu32((__m256i)x.v, _mm256_set1_epi64x(m));
+#elif defined(__SSE2__)
+  typedef uint64_t v2u64 __attribute__((vector_size(16)));
+  __m128i const mm = _mm_set1_epi64x(m);
+  v2u64 const lo = (v2u64)_mm_mul_epu32((__m128i)v2u64{x.v[0], x.v[1]}, mm);
+  v2u64 const hi2 = (v2u64)_mm_mul_epu32((__m128i)v2u64{x.v[2], x.v[3]}, mm);
+  p.v = HostPhiloxWord::v4u64{lo[0], lo[1], hi2[0], hi2[1]};
+#else
+  p.v = (x.v & 0xffffffffu) * uint64_t(m);
+#endif
+  hi.v = p.v >> 32;
+  return p;
+}
+
+template <>
+struct PhiloxLanes<HostPhiloxWord> {
+  static constexpr int kLanes = 4;
+  static HostPhiloxWord broadcast(uint32_t x) { return {HostPhiloxWord::v4u64{x, x, x, x}}; }
+  static void set(HostPhiloxWord& w, int lane, uint32_t x) { w.v[lane] = x; }
+  static uint32_t get(HostPhiloxWord w, int lane) { return uint32_t(w.v[lane]); }
+};
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, class Element_>
 struct HostTraits {
   using Element = Element_;
@@ -200,6 +240,22 @@ struct HostTraits {
   // The atom's K equals its N, so the accumulator of S already is the A fragment of P.V.
   template <class Layout>
   static constexpr auto acc_to_a_layout(Layout acc) { return acc; }
+
+  // Dropout groups (dropout.h) of the ((16 cols, 8 rows), MMA_M, MMA_N) accumulator: rows {R, R + 8} lie in
+  // neighbouring MMA_M atoms (2a, 2a + 1), columns {c, c + 1, c + 8, c + 9} in one atom's 16 columns.  As
+  // (SLOT = (col bit, row half, col half), GROUP = ((cols % 8) / 2, row within the atom, atom pair, MMA_N)).
+  using DropoutWord = HostPhiloxWord;
+  template <class AccLayout>
+  static constexpr auto dropout_groups(AccLayout acc) {
+    using namespace cute;
+    constexpr int kMmaM = decltype(size<1>(acc))::value;
+    constexpr int kMmaN = decltype(size<2>(acc))::value;
+    static_assert(decltype(size<0>(acc))::value == 128 && kMmaM % 2 == 0);
+    // (slot, group) -> index of the fragment's (compact, column-major) domain: n + 16 m + 128 mma_m + ...
+    auto const g = cute::Layout<Shape<Shape<_2, _2, _2>, Shape<_4, _8, Int<kMmaM / 2>, Int<kMmaN>>>,
+                          Stride<Stride<_1, _128, _8>, Stride<_2, _16, _256, Int<128 * kMmaM>>>>{};
+    return composition(acc, g);
+  }
 
   static void cp_async_fence() {}
   template <int N>

@@ -102,6 +102,17 @@ struct Sm80Traits : Arch_ {
                              cute::get<2, 1>(l));
   }
 
+  // Dropout groups (dropout.h): in the m16n8 accumulator a thread holds rows {R, R + 8} x columns {c, c + 1}
+  // of each atom (value index: column bit + 2 x row half), and the atom pair (n, n + 1), n even, adds columns
+  // {c + 8, c + 9}: exactly one group of the contract, in slot order.  ((2, 2), MMA_M, MMA_N) ->
+  // ((2, 2, 2), (MMA_M, MMA_N / 2)): one Philox call per group, none wasted.
+  using DropoutWord = uint32_t;
+  template <class Layout>
+  CUTE_HOST_DEVICE static constexpr auto dropout_groups(Layout acc) {
+    auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)
+    return cute::make_layout(cute::get<0>(a), cute::make_layout(cute::get<1>(a), cute::get<2>(a)));
+  }
+
   // A row of the S accumulator is spread over the 4 lanes of a quad (lanes 4r..4r+3, see the
   // partition tests); xor-shuffles over lane bits 0 and 1 combine exactly that group.
   template <class Op>

@@ -382,7 +382,7 @@ Plan make_plan(FwdParams const& p, at::Tensor const& q) {
     plan.grid[0] = ceil_div(p.seqlen_q, t.block_m), plan.grid[1] = p.b, plan.grid[2] = int64_t(p.h) * p.num_splits;
   }
   plan.causal = p.is_causal, plan.local = p.is_local, plan.alibi = p.alibi_slopes_ptr != nullptr;
-  plan.softcap = p.softcap > 0;
+  plan.softcap = p.softcap > 0, plan.dropout = p.is_dropout;
   plan.window_left = p.window_left, plan.window_right = p.window_right;
 
   // HBM traffic estimate.  flash_ext reads Q once and K/V once per query block of each head (an upper bound:
@@ -412,7 +412,8 @@ std::string plan_to_json(Plan const& plan) {
      << plan.grid[2] << "], \"num_splits\": " << plan.num_splits << ", \"varlen\": " << b(plan.varlen)
      << ", \"flags\": {\"even_mn\": " << b(plan.even_mn) << ", \"even_k\": " << b(plan.even_k)
      << ", \"causal\": " << b(plan.causal) << ", \"local\": " << b(plan.local) << ", \"alibi\": " << b(plan.alibi)
-     << ", \"softcap\": " << b(plan.softcap) << ", \"split\": " << b(plan.num_splits > 1) << "}, \"window\": ["
+     << ", \"softcap\": " << b(plan.softcap) << ", \"split\": " << b(plan.num_splits > 1)
+     << ", \"dropout\": " << b(plan.dropout) << "}, \"window\": ["
      << plan.window_left << ", " << plan.window_right << "], \"hbm_bytes\": " << plan.hbm_bytes
      << ", \"naive_hbm_bytes\": " << plan.naive_hbm_bytes << "}";
   return os.str();

@@ -112,6 +112,7 @@ struct Plan {
   int num_splits = 1;
   bool varlen = false;
   bool even_mn = false, even_k = false, causal = false, local = false, alibi = false, softcap = false;
+  bool dropout = false;
   int window_left = -1, window_right = -1;
   int64_t hbm_bytes = 0, naive_hbm_bytes = 0;  // estimates: flash_ext vs attention materialising S and P
 };

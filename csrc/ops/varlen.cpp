@@ -7,19 +7,19 @@
 #include <algorithm>
 
 #include "common.h"
+#include "dropout.h"
 #include "index_values.h"
 
 namespace flash_ext::ops {
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                                              at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
-                                              std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
-                                              int64_t max_seqlen_k, double softmax_scale, bool causal,
-                                              int64_t window_left, int64_t window_right, double softcap,
-                                              std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits,
-                                              std::optional<at::Tensor> const& block_table) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
+    at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& cu_seqlens_q,
+    at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, std::optional<at::Tensor> const& block_table,
+    double dropout_p, std::optional<at::Tensor> const& rng_state) {
   ArgChecker c("flash_ext.varlen_fwd");
   bool const paged = block_table.has_value();
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true, /*kv_cache=*/false, /*paged_varlen=*/paged);
@@ -53,6 +53,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   check_lengths(c, max_seqlen_q, max_seqlen_k, "max_seqlen_q/max_seqlen_k", shapes_ok ? q.size(0) : 0, num_splits);
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap,
                 alibi_slopes, num_splits);
+  check_dropout(c, q.device(), dropout_p, rng_state);
 
   // Index values: one host read of all of them (on CUDA one copy; trusted while capturing).
   IndexValues idx;
@@ -93,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   int64_t const total_q = q.size(0), h = q.size(1), d = q.size(2);
   at::Tensor out = at::empty({total_q, h, d}, q.options());
   at::Tensor lse = at::empty({h, total_q}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0 || b == 0 || max_seqlen_q == 0) { return {out, lse}; }
+  if (out.numel() == 0 || b == 0 || max_seqlen_q == 0) { return {out, lse, idle_rng_state(q, dropout_p, rng_state)}; }
   at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
   std::optional<at::Tensor> used, table;
   if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
@@ -114,18 +115,21 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(at::Tensor const& q, at::Tensor co
   }
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
   auto const accum = set_splits(p, in.q, num_splits, total_q);
+  DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);  // the mask's batch index: the sequence
   launch(p, q, "flash_ext.varlen_fwd");
-  return {out, lse};
+  return {out, lse, dropout.out};
 }
 
 }  // namespace
 
+// Dropout and rng_state as in fwd (fwd.cpp).
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, Tensor? alibi_slopes, int num_splits=0, Tensor? block_table=None) -> (Tensor out, "
-      "Tensor softmax_lse)");
+      "float softcap, Tensor? alibi_slopes, int num_splits=0, Tensor? block_table=None, float dropout_p=0.0, "
+      "Tensor? rng_state=None) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CPU, m) { m.impl("varlen_fwd", &varlen_fwd); }

@@ -1,6 +1,6 @@
 """Benchmarks for flash_ext: forward throughput and peak memory.
 
-Run ``python -m flash_ext.bench --help`` for every option.  Two modes:
+Run ``python -m flash_ext.bench --help`` for every option.  Modes:
 
 ``fwd`` (default)
     Forward throughput in TFLOP/s of ``flash_ext.flash_attn_func`` against
@@ -51,6 +51,14 @@ Run ``python -m flash_ext.bench --help`` for every option.  Two modes:
     seqlen 1k .. 8k.  A naive point that would need more than 70 % of the available RAM (CPU) is
     skipped, and an out-of-memory error (CUDA) is reported as OOM.
 
+``decode``
+    GB/s of K/V read per decode step (one query token against a KV cache), see ``decode.py``.
+
+``dropout``
+    The cost of dropout: forward time with ``--dropout-p`` (default 0.1) / without, alternating calls in
+    one run, with a correctness guard against the element-wise mask; SDPA's dropout alongside.  See
+    ``dropout.py``.
+
 Output: the results table is printed last; ``--json PATH`` writes every result together with the date,
 the git commit, the device name, the torch version, the thread count and the load average;
 ``--plot PATH.png`` draws the results if matplotlib is installed.
@@ -64,6 +72,7 @@ from .common import attention_flops, check_against_sdpa_math, naive_attention, t
 from .fwd import FwdConfig, run_fwd
 from .memory import measure_peak_extra_memory, run_memory
 from .decode import run_decode
+from .dropout import run_dropout
 from .cli import main
 
 __all__ = [
@@ -76,5 +85,6 @@ __all__ = [
     "run_fwd",
     "run_memory",
     "run_decode",
+    "run_dropout",
     "main",
 ]

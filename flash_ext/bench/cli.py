@@ -12,6 +12,7 @@ import torch
 import flash_ext
 from .common import DTYPES, SDPA_BACKENDS, default_device, loadavg, metadata
 from .decode import run_decode
+from .dropout import run_dropout
 from .fwd import run_fwd
 from .memory import run_memory
 from .plot import plot
@@ -22,10 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flash_ext.bench",
         description="flash_ext benchmarks: forward TFLOP/s against torch SDPA backends and naive attention "
-                    "(fwd), or peak extra memory against seqlen (memory).  See the module docstring.",
+                    "(fwd), peak extra memory against seqlen (memory), decode-step K/V bandwidth (decode), or "
+                    "the cost of dropout (dropout).  See the module docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "memory", "decode"],
-                   help="what to measure (decode: GB/s of K/V read per decode step vs device copy and SDPA)")
+    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "memory", "decode", "dropout"],
+                   help="what to measure (decode: GB/s of K/V read per decode step vs device copy and SDPA; "
+                        "dropout: forward time with dropout / without, same run)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda if a GPU is visible and the build has CUDA kernels, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -42,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", nargs="+", choices=list(SDPA_BACKENDS), default=None,
                    help="SDPA backends to time (default: all)")
     p.add_argument("--no-naive", action="store_true", help="fwd: do not time the naive implementation")
+    p.add_argument("--dropout-p", type=float, default=0.1, help="dropout: the dropout probability timed")
+    p.add_argument("--no-sdpa", action="store_true", help="dropout: do not time SDPA alongside")
     p.add_argument("--sdpa-layout", choices=["bhsd", "bshd-view"], default="bhsd",
                    help="inputs given to SDPA: contiguous (b,h,s,d) copies, or transposed views of flash_ext's")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default: CUDA 30, CPU 5)")
     p.add_argument("--quick", action="store_true",
-                   help="fwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal)")
+                   help="fwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal); dropout: d=64, one seqlen")
     p.add_argument("--no-cross-check", action="store_true",
                    help="memory on CPU: skip the torch.profiler allocation cross-check")
     p.add_argument("--threads", type=int, default=None,
@@ -62,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.causal is None:
-        args.causal = "both" if args.mode == "fwd" else "no"
+        args.causal = "both" if args.mode in ("fwd", "dropout") else "no"
     if args.device is None:
         device = default_device()
     else:
@@ -78,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and not build.get("cuda", False):
         print("warning: this flash_ext build has no CUDA kernels; flash_ext rows will show ERR", flush=True)
 
-    runners = {"fwd": run_fwd, "memory": run_memory, "decode": run_decode}
+    runners = {"fwd": run_fwd, "memory": run_memory, "decode": run_decode, "dropout": run_dropout}
     result = runners[args.mode](args, device)
     meta["loadavg_end"] = loadavg()
     table = result.pop("_table")
@@ -89,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, **result}, f, indent=2, default=str)
         print(f"wrote {args.json}")
-    if args.plot and args.mode != "decode":
+    if args.plot and args.mode in ("fwd", "memory"):
         note = plot(args.mode, {"_rows": rows}, meta, args.plot)
         print(note if note else f"wrote {args.plot}")
 
@@ -101,5 +106,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"load average start {meta['loadavg_start']} end {meta['loadavg_end']} "
           f"({os.cpu_count()} logical CPUs; a load above that count means the timings were shared)")
     print(table)
-    failed = any(r.check in ("FAIL", "ERR") for r in rows) if args.mode in ("fwd", "decode") else False
+    failed = any(r.check in ("FAIL", "ERR") for r in rows) if args.mode in ("fwd", "decode", "dropout") else False
     return 1 if failed else 0

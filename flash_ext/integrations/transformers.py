@@ -46,7 +46,7 @@ What the model hands over and what flash_ext makes of it
   ``scaling``, ``sliding_window`` (the model's convention: a window of ``w`` keys ends at the query, so
   flash_ext's ``window_size=(w - 1, 0)``, or ``(w - 1, w - 1)`` bidirectional), ``softcap`` (Gemma-2) and
   ``dropout`` (training) are passed through; flash_ext raises ``NotImplementedError`` for what it does not
-  implement yet (dropout, backward).  With padding, a sliding window counts real tokens, not positions: the
+  implement yet (the backward).  With padding, a sliding window counts real tokens, not positions: the
   same as eager attention whenever each row's real tokens are contiguous (left or right padding).
 
 Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be

@@ -1,5 +1,6 @@
 // The kernel body instantiated with host traits, against a double-precision loop, without torch: a fast
-// check of the kernel logic (masks, windows, ALiBi, softcap, GQA, uneven shapes, empty rows) for ctest.
+// check of the kernel logic (masks, windows, ALiBi, softcap, GQA, uneven shapes, empty rows, dropout with the
+// mask of dropout.h's per-element contract) for ctest.
 // The pytest suite covers the same ground through the torch op with many more shapes.
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,7 @@ struct Case {
   float softcap;
   bool alibi;
   int num_splits = 1;  // split-KV: partials plus the combine
+  double p_dropout = 0;
 };
 
 template <class T>
@@ -48,6 +50,17 @@ bool run_case(Case const& c, const char* dtype) {
   p.is_causal = c.causal;
   p.is_local = !c.causal && (c.wl >= 0 || c.wr >= 0);
   p.alibi_slopes_ptr = c.alibi ? slopes.data() : nullptr;
+  // Dropout: the seed and offset are read through pointers (the rng_state-input path) and written back.
+  int64_t const rng_in[2] = {int64_t(0x9e3779b97f4a7c15ull), 1ll << 33 | 12345};
+  int64_t rng_out[2] = {0, 0};
+  if (c.p_dropout > 0) {
+    p.is_dropout = true;
+    p.dropout_threshold = uint32_t(std::floor((1.0 - c.p_dropout) * 65536.0 + 0.5));
+    p.dropout_scale = float(1.0 / (1.0 - c.p_dropout));
+    p.rng_seed_ptr = &rng_in[0];
+    p.rng_offset_ptr = &rng_in[1];
+    p.rng_state_out = rng_out;
+  }
   std::vector<float> oaccum, lseaccum;
   if (c.num_splits > 1) {
     p.num_splits = c.num_splits;
@@ -88,12 +101,19 @@ bool run_case(Case const& c, const char* dtype) {
         }
         double sum = 0;
         for (int j = 0; j < c.sk; ++j) sum += std::exp(s[j] - mx);
-        double const l = mx + std::log(sum);
+        double const l = mx + std::log(sum);  // of the undropped scores
         max_lse_err = std::max(max_lse_err, std::abs(l - double(got_lse)));
+        // Dropout: O = (P o keep) V / (1 - p), keep from the per-element contract.
+        std::vector<double> w(c.sk);
+        DropoutRng const rng = DropoutRng::make({uint64_t(rng_in[0]), uint64_t(rng_in[1])}, ib, ih, c.h, p.dropout_threshold);
+        for (int j = 0; j < c.sk; ++j) {
+          bool const keep = c.p_dropout == 0 || dropout_keep(rng, i, j);
+          w[j] = keep ? std::exp(s[j] - l) / (1.0 - c.p_dropout) : 0.0;
+        }
         for (int e = 0; e < c.d; ++e) {
           double acc = 0;
           for (int j = 0; j < c.sk; ++j)
-            acc += std::exp(s[j] - l) * double(float(v[((size_t(ib) * c.sk + j) * c.hk + ik) * c.d + e]));
+            acc += w[j] * double(float(v[((size_t(ib) * c.sk + j) * c.hk + ik) * c.d + e]));
           float const got = float(o[((size_t(ib) * c.sq + i) * c.h + ih) * c.d + e]);
           nan_found |= std::isnan(got);
           max_err = std::max(max_err, std::abs(acc - double(got)));
@@ -101,10 +121,12 @@ bool run_case(Case const& c, const char* dtype) {
       }
   // Output rounding of the dtype plus fp32 accumulation; P stays fp32 on the host.
   double const tol = sizeof(T) == 4 ? 1e-5 : (std::is_same_v<T, cutlass::half_t> ? 2e-3 : 1.6e-2);
-  bool const ok = !nan_found && !inf_mismatch && max_err <= tol && max_lse_err <= 1e-4;
-  std::printf("%s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d splits%d: |o|err %.2e lse err %.2e%s\n",
+  bool const rng_ok = c.p_dropout == 0 || (rng_out[0] == rng_in[0] && rng_out[1] == rng_in[1]);
+  bool const ok = !nan_found && !inf_mismatch && max_err <= tol && max_lse_err <= 1e-4 && rng_ok;
+  std::printf("%s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d splits%d p%.2f: |o|err %.2e lse err %.2e%s%s\n",
               ok ? "ok  " : "FAIL", dtype, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.wl, c.wr, c.softcap, c.alibi,
-              c.num_splits, max_err, max_lse_err, inf_mismatch ? " (+inf LSE pattern wrong)" : "");
+              c.num_splits, c.p_dropout, max_err, max_lse_err, inf_mismatch ? " (+inf LSE pattern wrong)" : "",
+              rng_ok ? "" : " (rng_state not written back)");
   return ok;
 }
 
@@ -121,12 +143,17 @@ int main() {
       {1, 3, 1000, 4, 1, 128, false, -1, -1, 0.f, false, 5},  // split-KV decode, MQA
       {1, 300, 100, 2, 2, 64, true, -1, -1, 0.f, false, 3},   // split-KV with empty rows and empty splits
       {2, 70, 700, 2, 2, 64, false, 40, 0, 0.f, true, 8},     // split-KV, local window: most splits empty
+      {2, 77, 131, 4, 2, 40, true, -1, -1, 0.f, false, 1, 0.17},     // dropout: GQA, uneven, causal
+      {1, 200, 333, 3, 3, 96, false, 17, 5, 30.f, true, 1, 0.5},     // dropout with window, softcap, ALiBi
+      {1, 5, 1000, 4, 1, 128, false, -1, -1, 0.f, false, 5, 0.25},   // dropout with split-KV (short host tile)
   };
   int failures = 0;
   for (auto const& c : cases) failures += !run_case<cutlass::bfloat16_t>(c, "bf16");
   failures += !run_case<cutlass::half_t>(cases[0], "fp16");
   failures += !run_case<float>(cases[3], "fp32");
   failures += !run_case<float>(cases[5], "fp32");
+  failures += !run_case<float>(cases[11], "fp32");
+  failures += !run_case<float>(cases[12], "fp32");
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -1,0 +1,170 @@
+// Dropout on the attention probabilities: the mask as a pure function of coordinates, and its application to
+// a tile of P in registers.
+//
+// THE MASK (the contract shared by the forward, the backward, every backend and the Python test reference).
+// Inputs: the Philox seed and offset (64-bit; the op returns them as rng_state = (seed, offset)), the drop
+// probability p, and the element's coordinates: batch entry b (for varlen batches: the sequence index), query
+// head h (with GQA/MQA the query head, not the K/V head), query row i and key column j, both counted from 0
+// within the sequence; H is the number of query heads.
+//
+//   group of (i, j): the 8 elements in rows {R, R + 8} x columns {c, c + 1, c + 8, c + 9}, where
+//                    R = 16 * (i / 16) + i % 8 and c = 16 * (j / 16) + 2 * ((j % 8) / 2)   (integer division)
+//   group ids:       grow = 8 * (i / 16) + i % 8,   gcol = 4 * (j / 16) + (j % 8) / 2
+//   slot of (i, j):  s = j % 2 + 2 * ((i % 16) / 8) + 4 * ((j % 16) / 8)                       (0 <= s < 8)
+//   (x0, x1, x2, x3) = Philox4x32-10(counter = (gcol, grow, (b * H + h) mod 2^32, offset mod 2^32),
+//                                    key = (seed mod 2^32, (seed / 2^32) XOR (offset / 2^32)))
+//   r(i, j) = (x[s / 2] >> (16 * (s % 2))) mod 2^16                                    (16 random bits)
+//   keep(i, j) = r(i, j) < t,   t = floor((1 - p) * 65536 + 0.5) evaluated in double precision
+//
+// So P(keep) = t / 65536, within 2^-17 of 1 - p.  The output is O = (P o keep) V / (1 - p) with P the
+// softmax of the undropped scores (the LSE is that of the undropped scores too).
+//
+// Why this grouping: one Philox call yields 128 bits = 8 x 16 bits, and in the sm_80 m16n8k16 accumulator a
+// thread holds exactly rows {R, R + 8} x columns {c, c + 1} of each 16 x 8 atom, i.e. one whole group per
+// pair of neighbouring atoms, in slot order (s = register index within the pair).  So the GPU makes one call
+// per 8 elements and wastes none, while the mask itself depends only on coordinates: not on tile sizes,
+// thread layout, split-KV, the backend or the order of evaluation.  16-bit thresholds keep the keep
+// probability within 2^-17 of 1 - p (an 8-bit threshold would bias it by up to 2^-9).
+// Separate calls never share a counter: the offset advances per call (CUDA) or the seed is redrawn (CPU).
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "params.h"
+#include "philox.h"
+
+namespace flash_ext {
+
+struct PhiloxSeedOffset {
+  uint64_t seed, offset;
+};
+
+// The (seed, offset) this launch uses (params.h: values, or read through pointers under graph capture or
+// from an rng_state input).
+CUTE_HOST_DEVICE PhiloxSeedOffset dropout_seed_offset(FwdParams const& p) {
+  uint64_t const seed = p.rng_seed_ptr ? uint64_t(*p.rng_seed_ptr) : p.rng_seed;
+  uint64_t const offset = (p.rng_offset_ptr ? uint64_t(*p.rng_offset_ptr) : 0) + p.rng_offset;
+  return {seed, offset};
+}
+
+// The per-(batch, head) constants of the mask: the key, the counter words that do not depend on (i, j),
+// and the keep threshold.
+struct DropoutRng {
+  uint32_t key0 = 0, key1 = 0;  // (seed mod 2^32, (seed >> 32) ^ (offset >> 32))
+  uint32_t bh = 0;              // counter word 2: b * H + h (mod 2^32)
+  uint32_t offset_lo = 0;       // counter word 3: offset mod 2^32
+  uint32_t threshold = 0;       // keep iff r < threshold
+
+  CUTE_HOST_DEVICE static DropoutRng make(PhiloxSeedOffset so, int b, int h, int num_heads, uint32_t threshold) {
+    DropoutRng r;
+    r.key0 = uint32_t(so.seed);
+    r.key1 = uint32_t(so.seed >> 32) ^ uint32_t(so.offset >> 32);
+    r.bh = uint32_t(b) * uint32_t(num_heads) + uint32_t(h);
+    r.offset_lo = uint32_t(so.offset);
+    r.threshold = threshold;
+    return r;
+  }
+};
+
+// Group ids and slot of element (i, j); see the contract at the top.
+CUTE_HOST_DEVICE constexpr uint32_t dropout_group_row(int i) { return uint32_t(8 * (i / 16) + i % 8); }
+CUTE_HOST_DEVICE constexpr uint32_t dropout_group_col(int j) { return uint32_t(4 * (j / 16) + (j % 8) / 2); }
+CUTE_HOST_DEVICE constexpr int dropout_slot(int i, int j) { return j % 2 + 2 * ((i % 16) / 8) + 4 * ((j % 16) / 8); }
+// Coordinates of slot s relative to the group's slot-0 element (R, c).
+CUTE_HOST_DEVICE constexpr int dropout_slot_row(int s) { return 8 * ((s / 2) % 2); }
+CUTE_HOST_DEVICE constexpr int dropout_slot_col(int s) { return s % 2 + 8 * (s / 4); }
+
+// The 16 random bits of slot s from the group's Philox output.
+CUTE_HOST_DEVICE constexpr uint32_t dropout_slot_bits(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, int s) {
+  uint32_t const x = s / 2 == 0 ? x0 : s / 2 == 1 ? x1 : s / 2 == 2 ? x2 : x3;
+  return (x >> (16 * (s % 2))) & 0xffffu;
+}
+
+// The contract evaluated for one element (one Philox call per element): the reference that the mask op and
+// the tests use.  The kernels evaluate the same function one group at a time (dropout_keep_bits).
+CUTE_HOST_DEVICE bool dropout_keep(DropoutRng const& rng, int i, int j) {
+  Philox4<uint32_t> const r = philox4x32_10<uint32_t>(dropout_group_col(j), dropout_group_row(i), rng.bh,
+                                                      rng.offset_lo, rng.key0, rng.key1);
+  return dropout_slot_bits(r.x[0], r.x[1], r.x[2], r.x[3], dropout_slot(i, j)) < rng.threshold;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The mask of one tile in the kernel, in two steps so that the random numbers are generated off the critical
+// path: dropout_keep_bits runs before Q.K^T (it depends only on coordinates, so its integer work overlaps
+// the tensor cores, or the host MMA) and packs the outcome into one bit per element; apply_dropout_bits
+// zeroes the dropped probabilities after the softmax.  The 1 / (1 - p) scale is applied once, to O, in the
+// softmax's finalize.
+//
+// Traits::dropout_groups views a thread's accumulator fragment (MMA, MMA_M, MMA_N) as (SLOT, GROUP) with the
+// slots in the contract's order; slot 0's coordinate anchors the group (tests/cpp/test_dropout.cpp checks the
+// view against the contract for every thread of every tile config).  Traits::DropoutWord says how many groups one Philox
+// evaluation serves (one on the GPU; several vector lanes on the host).
+// AccLayout: the (static) layout of the accumulator fragment the bits are for.
+template <class Traits, class AccLayout>
+struct DropoutBits {
+  static constexpr int kGroups = decltype(cute::size<1>(Traits::dropout_groups(AccLayout{})))::value;
+  static constexpr int kWords = (kGroups * 8 + 31) / 32;
+  uint32_t word[kWords];  // bit 8 * g + s: keep slot s of group g
+
+  CUTE_HOST_DEVICE bool keep(int g, int s) const { return (word[(8 * g + s) / 32] >> ((8 * g + s) % 32)) & 1u; }
+};
+
+// coord: the thread's partition of an identity tensor over the tile, shaped like the accumulator fragment;
+// row0/col0: the tile's first query row and key column within the sequence (multiples of 16, so no group
+// straddles two tiles).
+template <class Traits, class AccLayout, class Coord>
+CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& coord, DropoutRng const& rng, int row0,
+                                                                 int col0) {
+  using namespace cute;
+  static_assert(Traits::kBlockM % 16 == 0 && Traits::kBlockN % 16 == 0, "tiles hold whole 16 x 16 blocks");
+  using Word = typename Traits::DropoutWord;
+  using Lanes = PhiloxLanes<Word>;
+  using Bits = DropoutBits<Traits, AccLayout>;
+  Tensor gC = make_tensor(coord.data(), Traits::dropout_groups(coord.layout()));  // (SLOT,GROUP) -> (m,n)
+  static_assert(decltype(size<0>(gC))::value == 8);
+  static_assert(decltype(size<1>(gC))::value == Bits::kGroups && Bits::kGroups % Lanes::kLanes == 0);
+  Bits bits;
+  CUTE_UNROLL
+  for (int w = 0; w < Bits::kWords; ++w) { bits.word[w] = 0; }
+  Word const bh = Lanes::broadcast(rng.bh), offset_lo = Lanes::broadcast(rng.offset_lo);
+  Word const key0 = Lanes::broadcast(rng.key0), key1 = Lanes::broadcast(rng.key1);
+  CUTE_UNROLL
+  for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) {
+    Word gcol = bh, grow = bh;  // every lane is set below
+    CUTE_UNROLL
+    for (int l = 0; l < Lanes::kLanes; ++l) {
+      Lanes::set(grow, l, dropout_group_row(row0 + int(get<0>(gC(0, g0 + l)))));
+      Lanes::set(gcol, l, dropout_group_col(col0 + int(get<1>(gC(0, g0 + l)))));
+    }
+    Philox4<Word> const r = philox4x32_10<Word>(gcol, grow, bh, offset_lo, key0, key1);
+    CUTE_UNROLL
+    for (int l = 0; l < Lanes::kLanes; ++l) {
+      int const g = g0 + l;
+      uint32_t const x0 = Lanes::get(r.x[0], l), x1 = Lanes::get(r.x[1], l);
+      uint32_t const x2 = Lanes::get(r.x[2], l), x3 = Lanes::get(r.x[3], l);
+      uint32_t byte = 0;
+      CUTE_UNROLL
+      for (int s = 0; s < 8; ++s) { byte |= uint32_t(dropout_slot_bits(x0, x1, x2, x3, s) < rng.threshold) << s; }
+      bits.word[g / 4] |= byte << (8 * (g % 4));
+    }
+  }
+  return bits;
+}
+
+// acc: the accumulator fragment the bits were made for, holding P.  Dropped elements become 0.
+template <class Traits, class Acc, class Bits>
+CUTE_HOST_DEVICE void apply_dropout_bits(Acc& acc, Bits const& bits) {
+  using namespace cute;
+  Tensor gP = make_tensor(acc.data(), Traits::dropout_groups(acc.layout()));  // (SLOT,GROUP)
+  CUTE_UNROLL
+  for (int g = 0; g < size<1>(gP); ++g) {
+    CUTE_UNROLL
+    for (int s = 0; s < 8; ++s) {
+      gP(s, g) = bits.keep(g, s) ? gP(s, g) : 0.f;  // a select: the outcome is random, a branch would mispredict
+    }
+  }
+}
+
+}  // namespace flash_ext

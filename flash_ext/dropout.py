@@ -1,0 +1,101 @@
+"""Dropout helpers of the Python API: the keep mask as a tensor, and ``S_dmask`` for ``return_attn_probs``.
+
+The mask itself is defined once, in ``csrc/flash_ext/dropout.h`` (see docs/design.md, "Dropout"): a pure
+function of the op's ``rng_state = (seed, offset)``, ``dropout_p`` and the element's (batch, query head,
+query row, key column).  ``dropout_mask`` evaluates that function element by element
+(``torch.ops.flash_ext.dropout_mask``: a CPU loop or a small CUDA kernel).
+
+``S_dmask`` is a debugging/testing aid, computed by a separate O(seqlen_q x seqlen_k) path after the
+forward kernel: the softmax probabilities recomputed in fp32 from q, k and the kernel's LSE, negated where
+the mask drops them (a dropped probability of 0 becomes -0.0, so ``torch.signbit`` recovers the mask
+everywhere and ``S_dmask >= 0`` wherever the probability is positive).  It needs about
+``3 * 4 * batch * nheads * seqlen_q * seqlen_k`` bytes of temporary memory.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["dropout_mask"]
+
+
+def dropout_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: int, seqlen_q: int,
+                 seqlen_k: int) -> torch.Tensor:
+    """The dropout keep mask, bool ``(batch, nheads, seqlen_q, seqlen_k)`` on ``rng_state``'s device.
+
+    ``rng_state`` is the int64 ``(seed, offset)`` pair a forward op returned.  Element ``[b, h, i, j]`` is
+    True when query row ``i`` of head ``h`` keeps key ``j`` in batch entry ``b``; for varlen batches ``b``
+    is the sequence index and ``i``, ``j`` count from the start of the sequence.
+    """
+    return torch.ops.flash_ext.dropout_mask(rng_state, float(dropout_p), int(batch), int(nheads), int(seqlen_q),
+                                            int(seqlen_k))
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
+           window_size: Tuple[int, int], softcap: float, slopes: Optional[torch.Tensor]) -> torch.Tensor:
+    """Softmax probabilities (h, sq, sk) fp32 of one sequence: q (sq, h, d), k (sk, hk, d), lse (h, sq);
+    slopes (h,) or None."""
+    sq, h, _ = q.shape
+    sk, hk = k.shape[0], k.shape[1]
+    qf = q.float().transpose(0, 1)                                            # (h, sq, d)
+    kf = k.float().repeat_interleave(h // hk, dim=1).transpose(0, 1)           # (h, sk, d)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * softmax_scale                 # (h, sq, sk)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    row = torch.arange(sq, device=q.device).view(-1, 1)
+    col = torch.arange(sk, device=q.device).view(1, -1)
+    diag = row + (sk - sq)
+    if slopes is not None:
+        s = s - slopes.float().view(h, 1, 1) * (diag - col).abs()
+    left, right = window_size
+    if causal:
+        right = 0
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= col <= diag + right
+    if left >= 0:
+        visible &= col >= diag - left
+    p = torch.exp(s - lse.float().unsqueeze(-1))  # lse = +inf on rows that see no key: p = 0
+    return torch.where(visible, p, torch.zeros_like(p))
+
+
+def s_dmask(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, rng_state: torch.Tensor, dropout_p: float,
+            softmax_scale: float, causal: bool, window_size: Tuple[int, int], softcap: float,
+            alibi_slopes: Optional[torch.Tensor]) -> torch.Tensor:
+    """``S_dmask`` (batch, nheads, seqlen_q, seqlen_k) in q's dtype for fixed-length q (b, sq, h, d)."""
+    b, sq, h, _ = q.shape
+    keep = dropout_mask(rng_state, dropout_p, b, h, sq, k.shape[1])
+    out = []
+    for i in range(b):
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i])
+        out.append(_probs(q[i], k[i], lse[i], softmax_scale, causal, window_size, softcap, slopes))
+    p = torch.stack(out)
+    return torch.where(keep, p, -p).to(q.dtype)
+
+
+def s_dmask_varlen(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, rng_state: torch.Tensor, dropout_p: float,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float, causal: bool, window_size: Tuple[int, int], softcap: float,
+                   alibi_slopes: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor] = None,
+                   block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``S_dmask`` (batch, nheads, max_seqlen_q, max_seqlen_k) for varlen q (total_q, h, d), lse (h, total_q);
+    zero outside each sequence's (seqlen_q, seqlen_k) block."""
+    b = cu_seqlens_q.numel() - 1
+    h = q.shape[1]
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    keep = dropout_mask(rng_state, dropout_p, b, h, max_seqlen_q, max_seqlen_k)
+    p = torch.zeros(b, h, max_seqlen_q, max_seqlen_k, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        sq = cu_q[i + 1] - cu_q[i]
+        sk = cu_k[i + 1] - cu_k[i] if used is None else used[i]
+        if block_table is None:
+            ki = k[cu_k[i]:cu_k[i] + sk]
+        else:  # paged K/V: the sequence's keys are the first sk rows of its pages
+            page = k.shape[1]
+            ki = k[block_table[i, :(sk + page - 1) // page].long()].reshape(-1, *k.shape[2:])[:sk]
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i])
+        p[i, :, :sq, :sk] = _probs(q[cu_q[i]:cu_q[i + 1]], ki, lse[:, cu_q[i]:cu_q[i + 1]], softmax_scale, causal,
+                                   window_size, softcap, slopes)
+    return torch.where(keep, p, -p).to(q.dtype)
