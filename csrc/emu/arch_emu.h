@@ -169,8 +169,11 @@ struct EmuSm80Arch {
   // cvt.rn.{f16,bf16}.f32, element by element (the GPU packs pairs; the rounding is the same).
   template <class To, int N>
   static cutlass::Array<To, N> convert(cutlass::Array<float, N> const& in) {
+    uint16_t bits[N];
+    for (int i = 0; i < N; ++i) { bits[i] = emu::ptx::from_float_rn(emu::type16<To>(), in[i]); }
     cutlass::Array<To, N> out;
-    for (int i = 0; i < N; ++i) { out[i] = To::bitcast(emu::ptx::from_float_rn(emu::type16<To>(), in[i])); }
+    static_assert(sizeof(out) == sizeof(bits));
+    std::memcpy(out.raw_data(), bits, sizeof(bits));  // element i in bits 16i..16i+15, as the packed cvt writes
     return out;
   }
   template <class Tensor>

@@ -2,10 +2,10 @@
 // to the scheduler that resumed it; nothing preempts it, so the schedule (and therefore every emulated run)
 // is deterministic.
 //
-// The switch on x86-64 is a few instructions (callee-saved registers, stack pointer, the SSE/x87 control
-// words), measured about 1.2 ms per two 64x64x64 GEMM tiles of 4 warps against 8.5-16 ms with swapcontext,
-// which makes a signal-mask system call per switch.  Elsewhere the portable ucontext fallback is used
-// (also selectable on x86-64 with -DFLASH_EXT_EMU_UCONTEXT, for testing it).
+// An emulated CTA switches fibers tens of thousands of times per K/V tile, so the switch must be cheap: on
+// x86-64 it is a few instructions (callee-saved registers, stack pointer, the SSE/x87 control words), where
+// swapcontext also makes a signal-mask system call per switch.  Elsewhere the portable ucontext fallback is
+// used (also selectable on x86-64 with -DFLASH_EXT_EMU_UCONTEXT; the C++ tests run both).
 #pragma once
 
 #include <cstddef>

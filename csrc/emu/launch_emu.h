@@ -13,6 +13,7 @@
 
 #include "emu/arch_emu.h"
 #include "emu/fwd_emu.h"
+#include "emu/launch_grid.h"
 #include "emu/runtime.h"
 #include "flash_ext/combine.h"
 #include "flash_ext/dispatch.h"
@@ -32,22 +33,10 @@ struct EmuFwd {
   using Traits = Sm80Traits<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, Element, EmuSm80Arch>;
 };
 
-struct FwdCtaCtx {
-  FwdParams const* params;
-  unsigned x, y, z, grid_y;
-};
-
-template <class Traits, class Flags>
-void fwd_cta_body(void const* ctx, int tid, char* smem) {
-  auto const& c = *static_cast<FwdCtaCtx const*>(ctx);
-  fwd_cta<Traits, Flags>(*c.params, c.x, c.y, c.z, c.grid_y, tid, smem);
-}
-
 // flash_fwd_kernel<Traits, Flags><<<grid, kNThreads, kSmemBytes>>>: every block of the grid, on the emulator.
 template <class Traits, class Flags>
 std::string launch_fwd_emu(FwdParams const& params, EmuLaunch& launch, std::string const& name) {
   GridDims const g = fwd_grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.b, params.h, params.num_splits);
-  if (char const* why = grid_error(g)) { return std::string("grid: ") + why; }
   KernelDesc kernel;
   kernel.name = name;
   kernel.threads = Traits::kNThreads;
@@ -55,26 +44,17 @@ std::string launch_fwd_emu(FwdParams const& params, EmuLaunch& launch, std::stri
   kernel.regions = {{0u, "sQ/sO"},
                     {uint32_t(Traits::kSmemQBytes), "sK"},
                     {uint32_t(Traits::kSmemQBytes + Traits::kSmemKVBytes), "sV"}};
-  kernel.globals = launch.globals;
-  int64_t const blocks = g.x * g.y * g.z;
-  launch.parallel_for(0, blocks, [&](int64_t begin, int64_t end) {
-    Report local;
-    for (int64_t i = begin; i < end; ++i) {
-      // The linear block index of CUDA's order: x fastest, then y, then z.
-      auto const x = unsigned(i % g.x), y = unsigned((i / g.x) % g.y), z = unsigned(i / (g.x * g.y));
-      FwdBlock const blk = fwd_block(x, y, z, unsigned(g.y), params.b, params.h, params.num_splits);
-      CtaCoord coord;
-      coord.x = x, coord.y = y, coord.z = z, coord.order = uint64_t(i);
-      coord.work = blk.valid ? "m_block " + std::to_string(blk.m_block) + ", batch " + std::to_string(blk.bidb) +
-                                   ", head " + std::to_string(blk.bidh) + ", split " + std::to_string(blk.n_split)
-                             : "padding block";
-      FwdCtaCtx const ctx{&params, x, y, z, unsigned(g.y)};
-      run_cta(kernel, coord, &fwd_cta_body<Traits, Flags>, &ctx, local);
-    }
-    std::lock_guard<std::mutex> lock(launch.mutex);
-    launch.report.merge(local);
-  });
-  return {};
+  return launch_grid_emu(
+      kernel, g, launch,
+      [&](unsigned x, unsigned y, unsigned z, int tid, char* smem) {
+        fwd_cta<Traits, Flags>(params, x, y, z, unsigned(g.y), tid, smem);
+      },
+      [&](unsigned x, unsigned y, unsigned z) {
+        FwdBlock const b = fwd_block(x, y, z, unsigned(g.y), params.b, params.h, params.num_splits);
+        return b.valid ? "m_block " + std::to_string(b.m_block) + ", batch " + std::to_string(b.bidb) + ", head " +
+                             std::to_string(b.bidh) + ", split " + std::to_string(b.n_split)
+                       : std::string("padding block");
+      });
 }
 
 // combine_kernel<Element><<<combine_grid, kCombineThreads>>>: no shared memory and no collectives, so its

@@ -64,7 +64,21 @@ uint16_t float_to_f16_rn(float x) {
   return uint16_t(sign | h);
 }
 
+namespace {
+// fp16 -> fp32 of all 65536 patterns, computed once from f16_to_float (the MMA decodes 512 values per call).
+float const* f16_table() {
+  static float const* const table = [] {
+    static float t[65536];
+    for (uint32_t h = 0; h < 65536; ++h) { t[h] = f16_to_float(uint16_t(h)); }
+    return t;
+  }();
+  return table;
+}
+}  // namespace
+
 void mma_m16n8k16(Type16 type, MmaLane const (&in)[kWarp], float (&d)[kWarp][4]) {
+  float const* const f16 = f16_table();
+  auto to_float = [&](Type16 t, uint16_t h) { return t == Type16::kF16 ? f16[h] : bf16_to_float(h); };
   float A[16][16], B[16][8], C[16][8];
   for (int lane = 0; lane < kWarp; ++lane) {
     int const group = lane >> 2, tig = lane % 4;
@@ -86,13 +100,19 @@ void mma_m16n8k16(Type16 type, MmaLane const (&in)[kWarp], float (&d)[kWarp][4])
       C[row][tig * 2 + (i & 1)] = in[lane].c[i];
     }
   }
+  // D = A.B + C: the 16 products of 16-bit values (exact), summed with C in double precision, rounded to fp32
+  // once.
+  double acc[16][8];
+  for (int m = 0; m < 16; ++m) {
+    for (int n = 0; n < 8; ++n) { acc[m][n] = C[m][n]; }
+    for (int k = 0; k < 16; ++k) {
+      double const a = A[m][k];
+      for (int n = 0; n < 8; ++n) { acc[m][n] += a * double(B[k][n]); }
+    }
+  }
   float D[16][8];
   for (int m = 0; m < 16; ++m) {
-    for (int n = 0; n < 8; ++n) {
-      double acc = C[m][n];
-      for (int k = 0; k < 16; ++k) { acc += double(A[m][k]) * double(B[k][n]); }
-      D[m][n] = float(acc);
-    }
+    for (int n = 0; n < 8; ++n) { D[m][n] = float(acc[m][n]); }
   }
   for (int lane = 0; lane < kWarp; ++lane) {
     int const group = lane >> 2, tig = lane % 4;

@@ -43,9 +43,9 @@ inline uint16_t hi16(uint32_t r) { return uint16_t(r >> 16); }
 //      col(b_i) (the n index) = groupID.
 //   C, D: four .f32 = c0..c3; row(c_i) = groupID for i < 2, groupID + 8 otherwise; col(c_i) = tig * 2 + (i & 1).
 //
-// Products of two 16-bit values are exact in fp32; the 16 products and c are summed exactly (double) and
-// rounded once to fp32.  Real tensor cores truncate/round their internal sums differently: results may
-// differ from a GPU in the last bits of fp32, which no test here relies on.
+// Products of two 16-bit values are exact; the 16 products and c are summed in double precision and rounded
+// once to fp32.  Real tensor cores round (or truncate) their internal sums differently: results may differ
+// from a GPU in the last bits of fp32, which no test here relies on.
 struct MmaLane {
   uint32_t a[4];
   uint32_t b[2];

@@ -32,6 +32,14 @@ void Report::add(Check check, uint64_t cta_order, std::string message) {
   }
 }
 
+bool Report::wants_message(uint64_t cta_order) const {
+  // Kept are the first kMaxMessages by CTA order (then arrival): a new one makes it unless that many are
+  // already at or before its CTA.  Messages are few, so the scan costs less than formatting one.
+  size_t at_or_before = 0;
+  for (auto const& m : messages) { at_or_before += m.first <= cta_order; }
+  return at_or_before < kMaxMessages;
+}
+
 void Report::merge(Report const& o) {
   for (int i = 0; i < kNumChecks; ++i) { counts[i] += o.counts[i]; }
   stats.merge(o.stats);
@@ -235,7 +243,15 @@ class Cta {
   std::string where(Thread const& t, Op op) const;
   std::string byte_name(uint32_t off) const;
   static std::string who(int tid);
-  void finding(Check c, std::string text);
+  // Counts a finding; builds its message (text() returns it) only if the report will keep it.
+  template <class Text>
+  void finding(Check c, Text&& text) {
+    if (report_->wants_message(coord_->order)) {
+      report_->add(c, coord_->order, text());
+    } else {
+      report_->count(c);
+    }
+  }
 
   std::vector<std::unique_ptr<Thread>> threads_;
   std::vector<char> smem_storage_;
@@ -307,10 +323,8 @@ void Cta::run(KernelDesc const& k, CtaCoord const& coord, CtaBody body, void con
   }
   ++report.stats.ctas;
   report.stats.threads += uint64_t(nthreads_);
-  if (report.kernels.empty() || report.kernels.back() != k.name) {
-    if (std::find(report.kernels.begin(), report.kernels.end(), k.name) == report.kernels.end()) {
-      report.kernels.push_back(k.name);
-    }
+  if (std::find(report.kernels.begin(), report.kernels.end(), k.name) == report.kernels.end()) {
+    report.kernels.push_back(k.name);
   }
   schedule();
 }
@@ -331,8 +345,8 @@ void Cta::exit_thread(Thread& t) {
   size_t in_flight = t.open.size();
   for (auto const& g : t.groups) { in_flight += g.size(); }
   if (in_flight) {
-    finding(Check::kInFlightAtExit, "copy_in_flight_at_exit: " + who(t.tid) + " exits with " + std::to_string(in_flight) +
-                                        " cp.async copies it never waited for; " + where(t, Op::kNone));
+    finding(Check::kInFlightAtExit, [&] { return std::string("copy_in_flight_at_exit: " + who(t.tid) + " exits with " + std::to_string(in_flight) +
+                                        " cp.async copies it never waited for; " + where(t, Op::kNone)); });
   }
   --live_;
   t.state = State::kExited;
@@ -406,9 +420,9 @@ void Cta::release_barrier() {
     }
     Thread const& waiter = *std::find_if(threads_.begin(), threads_.begin() + nthreads_,
                                          [](auto const& t) { return t->state == State::kAtBarrier; })->get();
-    finding(Check::kExitAtBarrier, "exit_at_barrier: " + std::to_string(live_) + " threads wait at a barrier that " +
+    finding(Check::kExitAtBarrier, [&] { return std::string("exit_at_barrier: " + std::to_string(live_) + " threads wait at a barrier that " +
                                        std::to_string(n) + " exited threads (" + exited + (n > 4 ? ", ..." : "") +
-                                       ") never reach; " + where(waiter, Op::kNone));
+                                       ") never reach; " + where(waiter, Op::kNone)); });
   }
   ++epoch_;
   ++report_->stats.barriers;
@@ -441,7 +455,7 @@ void Cta::report_stall() {
              where(*threads_[w * kWarp], Op::kNone);
   }
   if (detail.empty()) { detail = "no thread can proceed; " + where(*threads_[0], Op::kNone); }
-  finding(Check::kDivergence, "divergence: " + detail + " (CTA abandoned)");
+  finding(Check::kDivergence, [&] { return std::string("divergence: " + detail + " (CTA abandoned)"); });
   aborted_ = true;
 }
 
@@ -471,7 +485,6 @@ std::string Cta::where(Thread const& t, Op op) const {
   return os.str();
 }
 
-void Cta::finding(Check c, std::string text) { report_->add(c, coord_->order, std::move(text)); }
 
 // ---------------------------------------------------------------------------------------------------
 // Shared memory
@@ -495,16 +508,15 @@ void Cta::shared_read(Thread& t, uint32_t off, uint32_t n, Op op) {
     ByteState& s = shadow_[i];
     if (!unlanded && s.state != kValid) {
       unlanded = true;
-      finding(Check::kUnlandedRead,
-              "unlanded_read: " + who(t.tid) + " reads " + byte_name(i) +
+      finding(Check::kUnlandedRead, [&] { return std::string("unlanded_read: " + who(t.tid) + " reads " + byte_name(i) +
                   (s.state == kNever ? std::string(", which no copy or store has written in this CTA")
                                      : ", whose cp.async by " + who(s.writer) + " is still in flight (no cp.async wait)") +
-                  "; " + where(t, op));
+                  "; " + where(t, op)); });
     } else if (!raced && s.state == kValid && s.w_epoch == epoch_ && s.writer != t.tid) {
       raced = true;
-      finding(Check::kRace, "race: " + who(t.tid) + " reads " + byte_name(i) + " that " + who(s.writer) +
+      finding(Check::kRace, [&] { return std::string("race: " + who(t.tid) + " reads " + byte_name(i) + " that " + who(s.writer) +
                                 " wrote in the same barrier epoch (read after write without a barrier); " +
-                                where(t, op));
+                                where(t, op)); });
     }
     if (s.r_epoch != epoch_) {
       s.r_epoch = epoch_, s.reader = uint16_t(t.tid), s.multi = 0;
@@ -531,7 +543,7 @@ void Cta::shared_write(Thread& t, uint32_t off, uint32_t n, Op op, bool in_fligh
       }
       if (!what.empty()) {
         raced = true;
-        finding(Check::kRace, "race: " + who(t.tid) + " writes " + byte_name(i) + " " + what + "; " + where(t, op));
+        finding(Check::kRace, [&] { return std::string("race: " + who(t.tid) + " writes " + byte_name(i) + " " + what + "; " + where(t, op)); });
       }
     }
     s.state = in_flight ? kInFlight : kValid;
@@ -556,8 +568,8 @@ bool Cta::global_ok(Thread& t, void const* p, int bytes, bool write, Op op, char
   for (GlobalRange const& r : kernel_->globals) {
     if (a >= r.begin && a + uintptr_t(bytes) <= r.end) {
       if (write && !r.writable) {
-        finding(Check::kBadAddress, std::string("bad_address: ") + who(t.tid) + " writes " + std::to_string(bytes) +
-                                        " bytes into read-only " + r.name + " (" + what + "); " + where(t, op));
+        finding(Check::kBadAddress, [&] { return std::string(std::string("bad_address: ") + who(t.tid) + " writes " + std::to_string(bytes) +
+                                        " bytes into read-only " + r.name + " (" + what + "); " + where(t, op)); });
         return false;
       }
       return true;
@@ -572,7 +584,7 @@ bool Cta::global_ok(Thread& t, void const* p, int bytes, bool write, Op op, char
          << "))";
     }
   }
-  finding(Check::kBadAddress, os.str() + "; " + where(t, op));
+  finding(Check::kBadAddress, [&] { return std::string(os.str() + "; " + where(t, op)); });
   return false;
 }
 
@@ -606,11 +618,10 @@ void Cta::bank_model(Thread* const* lanes, uint32_t lane_mask, uint32_t const* o
         if ((lane_mask >> l) & 1u) { offs += (offs.empty() ? "" : ", ") + std::to_string(offsets[l]); }
       }
       Thread const& t0 = *lanes[p * per_phase];
-      finding(Check::kBankConflict,
-              "bank_conflict: warp " + std::to_string(warp) + " lanes " + std::to_string(p * per_phase) + "-" +
+      finding(Check::kBankConflict, [&] { return std::string("bank_conflict: warp " + std::to_string(warp) + " lanes " + std::to_string(p * per_phase) + "-" +
                   std::to_string((p + 1) * per_phase - 1) + " need " + std::to_string(wavefronts) + " wavefronts (" +
                   std::to_string(ideal) + " without conflicts; bank " + std::to_string(worst) + " serves " +
-                  std::to_string(per_bank[worst]) + " words) at shared bytes [" + offs + "]; " + where(t0, op));
+                  std::to_string(per_bank[worst]) + " words) at shared bytes [" + offs + "]; " + where(t0, op)); });
     }
   }
 }
@@ -635,17 +646,17 @@ void Cta::execute_events(Thread* const* lanes) {
       void const* shared = op == Op::kVecLoad ? t.src : t.dst;
       uint32_t off = 0;
       if (!shared_offset(shared, t.bytes, off) || off % uint32_t(t.bytes) != 0) {
-        finding(Check::kBadAddress, std::string("bad_address: ") + who(t.tid) + " accesses " + std::to_string(t.bytes) +
+        finding(Check::kBadAddress, [&] { return std::string(std::string("bad_address: ") + who(t.tid) + " accesses " + std::to_string(t.bytes) +
                                         " shared bytes at offset " +
                                         std::to_string(reinterpret_cast<intptr_t>(shared) - reinterpret_cast<intptr_t>(smem_)) +
                                         (in_shared(shared) ? " (misaligned or past the end)" : " (outside shared memory)") +
-                                        " of " + std::to_string(smem_bytes_) + "; " + where(t, op));
+                                        " of " + std::to_string(smem_bytes_) + "; " + where(t, op)); });
         continue;
       }
       if (op == Op::kCpAsync) {
         if (reinterpret_cast<uintptr_t>(t.src) % 16 != 0) {
-          finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " cp.async from a global address not 16-byte aligned; " +
-                                          where(t, op));
+          finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " cp.async from a global address not 16-byte aligned; " +
+                                          where(t, op)); });
           continue;
         }
         if (!global_ok(t, t.src, 16, false, op, "cp.async source")) { continue; }
@@ -683,10 +694,10 @@ void Cta::execute_collective(Thread* const* lanes, Op op) {
       Thread& t = *lanes[l];
       uint32_t off = 0;
       if (!shared_offset(t.src, 16, off) || off % 16 != 0) {
-        finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " gives ldmatrix the row address " +
+        finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " gives ldmatrix the row address " +
                                         std::to_string(reinterpret_cast<intptr_t>(t.src) - reinterpret_cast<intptr_t>(smem_)) +
                                         " (bytes from the shared base), which must be 16-byte aligned inside the " +
-                                        std::to_string(smem_bytes_) + " shared bytes; " + where(t, op));
+                                        std::to_string(smem_bytes_) + " shared bytes; " + where(t, op)); });
         std::memset(rows[l], 0xff, sizeof(rows[l]));
         continue;
       }
@@ -778,15 +789,15 @@ void Cta::vector_move(Thread& t, void const* src, void* dst, int bytes) {
     return a >= reinterpret_cast<uintptr_t>(t.stack->lo()) && a + uintptr_t(bytes) <= reinterpret_cast<uintptr_t>(t.stack->hi());
   };
   if (src_shared && dst_shared) {
-    finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " moves shared to shared memory in one vector move, "
-                                    "which no instruction does; " + where(t, Op::kVecStore));
+    finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " moves shared to shared memory in one vector move, "
+                                    "which no instruction does; " + where(t, Op::kVecStore)); });
     return;
   }
   if (src_shared || dst_shared) {
     // The register side must be this thread's own registers (its fiber stack).
     if (!on_stack(src_shared ? dst : src)) {
-      finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " moves between shared memory and a non-register "
-                                      "address in one vector move; " + where(t, src_shared ? Op::kVecLoad : Op::kVecStore));
+      finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " moves between shared memory and a non-register "
+                                      "address in one vector move; " + where(t, src_shared ? Op::kVecLoad : Op::kVecStore)); });
       return;
     }
     t.op = src_shared ? Op::kVecLoad : Op::kVecStore;
@@ -799,9 +810,9 @@ void Cta::vector_move(Thread& t, void const* src, void* dst, int bytes) {
   for (auto [p, is_global, write] : {std::tuple{src, src_global, false}, std::tuple{static_cast<void const*>(dst), dst_global, true}}) {
     if (!is_global) { continue; }
     if (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes) != 0) {
-      finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " " + (write ? "stores" : "loads") + " a " +
+      finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " " + (write ? "stores" : "loads") + " a " +
                                       std::to_string(bytes) + "-byte vector at a global address not aligned to it; " +
-                                      where(t, Op::kNone));
+                                      where(t, Op::kNone)); });
       return;
     }
     if (!global_ok(t, p, bytes, write, Op::kNone, write ? "vector store" : "vector load")) { return; }
@@ -813,8 +824,8 @@ void Cta::vector_move(Thread& t, void const* src, void* dst, int bytes) {
 void Cta::clear_store(Thread& t, void* dst, int bytes) {
   uint32_t off = 0;
   if (!shared_offset(dst, bytes, off) || off % uint32_t(bytes) != 0) {
-    finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " zero-fills " + std::to_string(bytes) +
-                                    " bytes outside shared memory or misaligned; " + where(t, Op::kClear));
+    finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " zero-fills " + std::to_string(bytes) +
+                                    " bytes outside shared memory or misaligned; " + where(t, Op::kClear)); });
     return;
   }
   shared_write(t, off, uint32_t(bytes), Op::kClear, false);
@@ -829,8 +840,8 @@ void Cta::clear_done(Thread& t) {
 
 void Cta::red_add(Thread& t, float* dst, float v) {
   if (reinterpret_cast<uintptr_t>(dst) % 4 != 0) {
-    finding(Check::kBadAddress, "bad_address: " + who(t.tid) + " red.global.add.f32 at a misaligned address; " +
-                                    where(t, Op::kNone));
+    finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " red.global.add.f32 at a misaligned address; " +
+                                    where(t, Op::kNone)); });
     return;
   }
   if (!global_ok(t, dst, 4, true, Op::kNone, "red.global.add.f32")) { return; }

@@ -72,6 +72,9 @@ struct Report {
   std::vector<std::string> kernels;
 
   void add(Check check, uint64_t cta_order, std::string message);
+  void count(Check check) { ++counts[int(check)]; }
+  // Whether a finding of CTA `cta_order` would be among the kept messages (so it is worth formatting).
+  bool wants_message(uint64_t cta_order) const;
   void merge(Report const& o);
   uint64_t total() const;
   std::string json() const;
