@@ -277,7 +277,8 @@ def test_a_finding_fails_the_call_with_its_location(tensor: str, access: str) ->
     # who (thread, warp, lane), what, the kernel source line of its last instruction, and which CTA
     assert access in msg and re.search(r"after \w+\.h:\d+", msg) and "CTA block (" in msg, msg
     r = flash_ext.emulator_report()
-    assert r["counts"]["bad_address"] > 0 and r["findings"] == r["counts"]["bad_address"], r["counts"]
+    # (a refused cp.async leaves its shared bytes unlanded, so unlanded reads may follow)
+    assert r["counts"]["bad_address"] > 0 and r["findings"] >= r["counts"]["bad_address"], r["counts"]
     # Without the hook the same call is clean: the finding came from the narrowed range alone.
     with flash_ext.emulate():
         flash_ext.flash_attn_func(q, k, v, num_splits=1)
