@@ -283,3 +283,67 @@ def test_a_finding_fails_the_call_with_its_location(tensor: str, access: str) ->
     with flash_ext.emulate():
         flash_ext.flash_attn_func(q, k, v, num_splits=1)
     assert_clean(f"narrow:{tensor} off")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dropout (the static "dropout" variant): the emulated kernel's mask is the contract's (csrc/flash_ext/
+# dropout.h), bit for bit the CPU backend's and the numpy reference's (tests/dropout_ref.py).
+
+def _rng_state(seed: int, offset: int) -> torch.Tensor:
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+def _keep_pattern(hd: int, p: float, rs: torch.Tensor, b: int, h: int, sq: int, varlen: bool = False) -> torch.Tensor:
+    """The kernel's keep mask, read off its output: q = 0 makes every probability 1/sk, and V = the identity
+    (sk = hd keys, one per column) puts P[i, j] into O[i, j], so O[i, j] != 0 exactly where (i, j) is kept."""
+    sk = hd
+    q = torch.zeros(b, sq, h, hd, dtype=torch.float16)
+    k = torch.randn(b, sk, h, hd, dtype=torch.float16)
+    v = torch.eye(hd, dtype=torch.float16).expand(b, h, hd, hd).permute(0, 2, 1, 3).contiguous()
+    if varlen:
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32)
+        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32)
+        out = torch.ops.flash_ext.varlen_fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, None,
+                                             sq, sk, hd ** -0.5, False, -1, -1, 0.0, None, num_splits=1,
+                                             dropout_p=p, rng_state=rs)[0]
+        out = out.unflatten(0, (b, sq))
+    else:
+        out = torch.ops.flash_ext.fwd(q, k, v, hd ** -0.5, False, -1, -1, 0.0, None, 1, p, rs)[0]
+    return (out != 0).permute(0, 2, 1, 3)  # (b, h, sq, sk)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fwd", "varlen"])
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_dropout_mask_is_the_cpu_backends(hd: int, varlen: bool) -> None:
+    require_head_dim(hd)
+    from dropout_ref import dropout_keep_mask
+    p, b, h, sq = 0.3, 2, 3, 150
+    rs = _rng_state(0x1234567890AB, (5 << 33) + 12)
+    with flash_ext.emulate():
+        emulated = _keep_pattern(hd, p, rs, b, h, sq, varlen)
+    r = assert_clean(f"dropout mask hd{hd}", variant="dropout")
+    host = _keep_pattern(hd, p, rs, b, h, sq, varlen)
+    reference = torch.from_numpy(dropout_keep_mask(int(rs[0]), int(rs[1]), p, b, h, sq, hd))
+    assert torch.equal(host, reference), "the CPU backend's mask is the contract's"
+    assert torch.equal(emulated, host), f"{int((emulated != host).sum())} mask bits differ from the CPU backend"
+    assert 0.6 < emulated.float().mean() < 0.8
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_dropout_output(hd: int, dtype: torch.dtype) -> None:
+    """Odd shapes, GQA, causal, ALiBi, the split heuristic: O and LSE against the
+    float64 reference with the contract's mask."""
+    require_head_dim(hd)
+    from dropout_ref import dropout_keep_mask
+    b, sq, sk, h, hk, p = 2, 77, 140, 4, 2, 0.17
+    q, k, v = make_qkv(b, sq, sk, h, hk, hd - 8, dtype)
+    slopes = make_alibi(b, h)
+    rs = _rng_state(99 + hd, 4 * hd)
+    with flash_ext.emulate():
+        out, lse, rs_out = torch.ops.flash_ext.fwd(q, k, v, (hd - 8) ** -0.5, True, -1, -1, 0.0, slopes, 0, p, rs)
+    assert_clean(f"dropout hd{hd}", variant="dropout")
+    assert torch.equal(rs_out, rs)
+    mask = torch.from_numpy(dropout_keep_mask(int(rs[0]), int(rs[1]), p, b, h, sq, sk))
+    check_close(out, lse, q, k, v, causal=True, alibi_slopes=slopes, dropout_p=p, dropout_mask=mask,
+                context=f"dropout hd{hd} {DT[dtype]}")
