@@ -6,6 +6,10 @@ Knobs (environment variables):
   FLASH_EXT_HOST_HEADDIMS   CPU-backend head dims to instantiate, same form (default all); a problem runs the
                             smallest compiled head dim >= its own, so "256" alone serves every head dim.
   FLASH_EXT_FORCE_CPU_ONLY  "1": build only the CPU backend even when torch and nvcc have CUDA.
+  FLASH_EXT_EMULATOR        "1": also build the warp emulator's Sm80 backend (csrc/emu/; off by default, on in CI):
+                            under FLASH_EXT_EMULATE=sm80 or flash_ext.emulate("sm80"), CPU fp16/bf16 calls run
+                            the real Sm80 kernels on emulated warps, with race/address/bank checks.
+  FLASH_EXT_EMU_HEADDIMS    head dims compiled into the emulator (default: FLASH_EXT_HEADDIMS, else all).
   FLASH_EXT_CPU_ARCH        -march value for the CPU backend (default "native"; "" for the compiler's default).
   FLASH_EXT_PTXAS_VERBOSE   "1": pass -Xptxas=-v (register/spill report per kernel, read by scripts/kernel_report.py).
   CUTLASS_INCLUDE_DIR       CUTLASS/CuTe headers; else third_party/cutlass/include; else pip nvidia-cutlass==4.2.0.0.
@@ -104,6 +108,15 @@ def build_extension():
     sources = ([ROOT / "csrc" / "module.cpp"] + sorted((ROOT / "csrc" / "ops").glob("*.cpp"))
                + sorted((ROOT / "csrc" / "host").glob("*.cpp")))
     cxx.append(f"-DFLASH_EXT_HOST_HEADDIMS_MASK={head_dims_mask(selected_head_dims('FLASH_EXT_HOST_HEADDIMS'))}")
+    if os.environ.get("FLASH_EXT_EMULATOR", "0") == "1":
+        var = "FLASH_EXT_EMU_HEADDIMS" if os.environ.get("FLASH_EXT_EMU_HEADDIMS", "").strip() else "FLASH_EXT_HEADDIMS"
+        emu_dims = selected_head_dims(var)
+        cxx += ["-DFLASH_EXT_WITH_EMULATOR", f"-DFLASH_EXT_EMU_HEADDIMS_MASK={head_dims_mask(emu_dims)}"]
+        emu = ROOT / "csrc" / "emu"
+        sources += [emu / f for f in ("runtime.cpp", "fiber.cpp", "ptx.cpp", "fwd_emu_dispatch.cpp")]
+        sources += sorted(p for p in (emu / "generated").glob("*.cpp")
+                          if int(p.name.split("_")[2][len("hdim"):]) in emu_dims)
+        print(f"flash_ext: with the warp emulator, emulated head dims {emu_dims}")
 
     if not with_cuda:
         print("flash_ext: building the CPU backend only "

@@ -4,10 +4,12 @@
 // Nothing is both an op and a module function.
 #include <torch/extension.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
 #include "flash_ext/dispatch.h"
+#include "flash_ext/grid.h"
 #include "flash_ext/launch_host.h"
 #include "ops/common.h"
 #include "ops/index_values.h"
@@ -25,6 +27,17 @@ std::string const kCudaArchs = FLASH_EXT_CUDA_ARCHS_STR;
 constexpr int kGpuHeadDimsMask = 0;
 std::string const kCudaArchs;
 #endif
+
+std::vector<int> emulator_head_dims() {
+  std::vector<int> out;
+  std::string const list = ops::emulator_head_dims_list();  // "64, 128"
+  for (size_t i = 0; i < list.size();) {
+    size_t const end = list.find(',', i);
+    out.push_back(std::stoi(list.substr(i, end == std::string::npos ? std::string::npos : end - i)));
+    i = end == std::string::npos ? list.size() : end + 1;
+  }
+  return out;
+}
 
 std::vector<int> gpu_head_dims() {
   std::vector<int> out;
@@ -57,6 +70,8 @@ py::dict build_info() {
   info["cuda_archs"] = kCudaArchs;
   info["gpu_head_dims"] = gpu_head_dims();
   info["host_head_dims"] = host;
+  info["emulator"] = ops::emulator_built();
+  info["emulator_head_dims"] = emulator_head_dims();
   return info;
 }
 
@@ -76,6 +91,20 @@ py::list compiled_kernels() {
             k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
             out.append(k);
           }
+        }
+      }
+    }
+  }
+  for (int hd : emulator_head_dims()) {  // the same Sm80 instances, with the emulated architecture policy
+    for (char const* dtype : {"fp16", "bf16"}) {
+      for (bool causal : {false, true}) {
+        TileConfig const t = sm80_tile_config(hd, causal);
+        for (Variant const& v : kVariants) {
+          py::dict k;
+          k["backend"] = "emulator", k["arch"] = "sm_80", k["kernel"] = "fwd", k["head_dim"] = hd;
+          k["dtype"] = dtype, k["causal"] = causal, k["variant"] = v.name;
+          k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
+          out.append(k);
         }
       }
     }
@@ -103,7 +132,7 @@ py::dict plan_to_dict(ops::Plan const& p) {
   d["block_m"] = p.block_m, d["block_n"] = p.block_n, d["threads_per_cta"] = p.threads_per_cta;
   d["smem_bytes"] = p.smem_bytes, d["variant"] = p.variant;
   d["grid"] = std::vector<int64_t>{p.grid[0], p.grid[1], p.grid[2]};
-  d["num_splits"] = p.num_splits, d["varlen"] = p.varlen;
+  d["num_splits"] = p.num_splits, d["varlen"] = p.varlen, d["emulated"] = p.emulated;
   py::dict flags;
   flags["even_mn"] = p.even_mn, flags["even_k"] = p.even_k, flags["causal"] = p.causal, flags["local"] = p.local;
   flags["alibi"] = p.alibi, flags["softcap"] = p.softcap, flags["split"] = p.num_splits > 1;
@@ -112,6 +141,35 @@ py::dict plan_to_dict(ops::Plan const& p) {
   d["window"] = std::vector<int>{p.window_left, p.window_right};
   d["hbm_bytes"] = p.hbm_bytes, d["naive_hbm_bytes"] = p.naive_hbm_bytes;
   return d;
+}
+
+// The launch geometry of grid.h for m_blocks x batch x heads x splits (and the combine kernel's for seqlen_q
+// rows of head dim d), and the decode of the given (x, y, z) blocks: what the CUDA launchers and the emulator
+// compute, as a pure function for tests and explain().
+py::dict launch_geometry(int64_t m_blocks, int64_t b, int64_t h, int64_t num_splits, int64_t seqlen_q, int64_t d,
+                         std::vector<std::array<int64_t, 3>> const& blocks) {
+  TORCH_CHECK_VALUE(m_blocks >= 0 && b >= 1 && h >= 1 && num_splits >= 1 && seqlen_q >= 0 && d >= 1,
+                    "launch_geometry: sizes must be positive");
+  GridDims const g = fwd_grid(m_blocks, b, h, num_splits);
+  GridDims const c = combine_grid(seqlen_q, d, b, h);
+  char const* const fwd_err = grid_error(g);
+  char const* const comb_err = grid_error(c);
+  py::dict out;
+  out["fwd_grid"] = std::vector<int64_t>{g.x, g.y, g.z};
+  out["fwd_error"] = fwd_err ? fwd_err : "";
+  out["combine_grid"] = std::vector<int64_t>{c.x, c.y, c.z};
+  out["combine_error"] = comb_err ? comb_err : "";
+  py::list decoded;
+  for (auto const& [x, y, z] : blocks) {
+    FwdBlock const f = fwd_block(unsigned(x), unsigned(y), unsigned(z), unsigned(g.y), int(b), int(h), int(num_splits));
+    CombineBlock const cb = combine_block(unsigned(y), unsigned(z), unsigned(c.y), int(b), int(h));
+    py::dict blk;
+    blk["fwd"] = std::vector<int64_t>{f.m_block, f.bidb, f.bidh, f.n_split, f.valid};
+    blk["combine"] = std::vector<int64_t>{cb.bidb, cb.bidh, cb.valid};
+    decoded.append(blk);
+  }
+  out["blocks"] = decoded;
+  return out;
 }
 
 }  // namespace
@@ -143,6 +201,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_poison_outputs", &ops::set_poison_outputs,
         "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
         py::arg("enable"));
+  m.def("set_emulate", &ops::set_emulate,
+        "The warp emulator's mode for CPU fp16/bf16 calls: 'sm80' or '' (off); returns the previous one.",
+        py::arg("mode"));
+  m.def("_set_emulator_test_fault", &ops::set_emulator_test_fault,
+        "Test only: 'narrow:<q|k|v|out>' hides the last 16 bytes of that tensor from the emulator's address "
+        "check, so that the kernel's accesses there are findings; '' turns it off; returns the previous one.",
+        py::arg("fault"));
+  m.def("emulator_report", &ops::emulator_last_report,
+        "The report of the latest emulated launch as JSON: findings per check, what ran, the first findings.");
+  m.def("launch_geometry", &launch_geometry,
+        "grid.h as a pure function: forward and combine grids, and the decode of (x, y, z) blocks.",
+        py::arg("m_blocks"), py::arg("batch"), py::arg("heads"), py::arg("num_splits"), py::arg("seqlen_q"),
+        py::arg("head_dim"), py::arg("blocks") = std::vector<std::array<int64_t, 3>>{});
   m.def("index_reads", &ops::index_reads,
         "Debug counter: host reads of op index tensors (cu_seqlens, cache lengths, ...) so far; one per op call "
         "that validates values (on CUDA each is one device-to-host copy).");

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _ops  # noqa: F401
+from .emulate import emulate, emulator_report
 from .explain import Explanation, explain
 from .kvcache import flash_attn_with_kvcache
 from .interface import (
@@ -24,18 +25,18 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info",
-    "compiled_kernels", "explain",
-    "Explanation",
+    "compiled_kernels", "explain", "Explanation", "emulate", "emulator_report",
 ]
 
 
 def build_info() -> dict:
-    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "host_head_dims": [...]}``."""
+    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "host_head_dims": [...],
+    "emulator": bool, "emulator_head_dims": [...]}`` (the warp emulator: ``flash_ext.emulate``)."""
     return _C.build_info()
 
 
 def compiled_kernels() -> list:
-    """Every compiled kernel instance, one dict each: ``backend`` ("cuda"/"cpu"), ``arch``, ``kernel``,
+    """Every compiled kernel instance, one dict each: ``backend`` ("cuda"/"emulator"/"cpu"), ``arch``, ``kernel``,
     ``head_dim``, ``dtype``, ``causal``, ``variant`` (the static flag combination) and the tile
     (``block_m``, ``block_n``, ``threads``).  A problem runs the smallest compiled head dim >= its own."""
     return _C.compiled_kernels()

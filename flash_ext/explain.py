@@ -38,7 +38,9 @@ class Explanation:
             f"flags       {flags}",
             f"window      {tuple(p['window'])} (after FA2 normalisation; -1 = unbounded)",
             f"smem        {p['smem_bytes']} bytes per CTA",
-            f"grid        {tuple(p['grid'])} = (m_blocks, batch, heads)",
+            f"grid        {tuple(p['grid'])} = "
+            + ("(m_blocks, batch, heads x splits) work items" if p["backend"].startswith("host")
+               else "CTAs: x = m_blocks; (batch, head, split) folded over y and z"),
             f"kv splits   {p['num_splits']}",
             f"HBM bytes   ~{self.hbm_bytes / 2**20:.1f} MiB estimated (naive attention materialising S and P: "
             f"~{self.naive_hbm_bytes / 2**20:.1f} MiB, {self.naive_hbm_bytes / max(self.hbm_bytes, 1):.1f}x)",

@@ -255,7 +255,10 @@ def test_C_is_a_pybind_module_and_registers_nothing_twice() -> None:
     assert registered == {"fwd", "varlen_fwd", "kvcache_fwd"}, registered
     assert not {n.lstrip("_") for n in ops} & functions
     kernels = flash_ext.compiled_kernels()
-    assert {k["backend"] for k in kernels} == ({"cpu", "cuda"} if flash_ext.build_info()["cuda"] else {"cpu"})
+    info = flash_ext.build_info()
+    assert {k["backend"] for k in kernels} == ({"cpu"} | ({"cuda"} if info["cuda"] else set())
+                                               | ({"emulator"} if info["emulator"] else set()))
+    assert {k["head_dim"] for k in kernels if k["backend"] == "emulator"} == set(info["emulator_head_dims"])
     assert {k["head_dim"] for k in kernels if k["backend"] == "cpu"} == set(flash_ext.build_info()["host_head_dims"])
 
 

@@ -6,6 +6,7 @@
 #include "flash_ext/combine.h"
 #include "flash_ext/dispatch.h"
 #include "flash_ext/fwd_api.h"
+#include "flash_ext/grid.h"
 #include "flash_ext/launch_sm80.cuh"
 
 #ifndef FLASH_EXT_GPU_HEADDIMS_MASK
@@ -66,9 +67,10 @@ void fill_plan_traits(CudaPlan& plan, FwdParams const& params) {
   plan.smem_bytes = Traits::kSmemBytes;
   plan.variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
   plan.variant_name = plan.variant >= 0 ? kVariants[plan.variant].name : "";
-  plan.grid_m = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  plan.ok = plan.variant >= 0;
-  if (!plan.ok) { plan.why = "no compiled flag variant admits this problem"; }
+  plan.grid = fwd_grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.b, params.h, params.num_splits);
+  plan.ok = plan.variant >= 0 && grid_error(plan.grid) == nullptr;
+  if (plan.variant < 0) { plan.why = "no compiled flag variant admits this problem"; }
+  if (char const* why = grid_error(plan.grid)) { plan.why = std::string("cannot launch: ") + why; }
 }
 
 template <int kHeadDim, class Element, bool kCausal>
@@ -102,27 +104,20 @@ bool visit_instantiation(int hd, DType dtype, bool causal, Fn&& fn) {
   }
 }
 
-// Split-KV combine: one thread per (query row, 8 output columns); consecutive threads take consecutive
-// column groups of a row, so partial reads and output writes are coalesced.
+// Split-KV combine: one thread per (query row, kCombineCols output columns), geometry and per-thread work in
+// grid.h and combine.h (shared with the warp emulator).
 template <class Element>
 __global__ void combine_kernel(__grid_constant__ const FwdParams params) {
-  constexpr int kCols = 8;
-  int const groups = (params.d + kCols - 1) / kCols;
-  int64_t const t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  int const row = int(t / groups);
-  int const group = int(t % groups);
-  int const bidb = int(blockIdx.y), bidh = int(blockIdx.z);
-  BlockInfo const binfo(params, bidb);
-  if (row >= binfo.seqlen_q) { return; }
-  combine_row<Element>(params, binfo, bidb, bidh, row, group * kCols, min((group + 1) * kCols, params.d));
+  CombineBlock const blk = combine_block(blockIdx.y, blockIdx.z, gridDim.y, params.b, params.h);
+  if (!blk.valid) { return; }
+  combine_thread<Element>(params, blk.bidb, blk.bidh, int64_t(blockIdx.x) * blockDim.x + threadIdx.x);
 }
 
 template <class Element>
 std::string launch_combine(FwdParams const& params, cudaStream_t stream) {
-  int const groups = (params.d + 7) / 8;
-  int64_t const threads = int64_t(params.seqlen_q) * groups;
-  dim3 const grid(unsigned((threads + 127) / 128), params.b, params.h);
-  combine_kernel<Element><<<grid, 128, 0, stream>>>(params);
+  GridDims const g = combine_grid(params.seqlen_q, params.d, params.b, params.h);
+  if (char const* why = grid_error(g)) { return std::string("combine grid: ") + why; }
+  combine_kernel<Element><<<dim3(unsigned(g.x), unsigned(g.y), unsigned(g.z)), kCombineThreads, 0, stream>>>(params);
   cudaError_t const err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string("combine launch: ") + cudaGetErrorString(err);
 }

@@ -23,6 +23,8 @@
 //   exp2(x), tanh(x)                      the approximate transcendental units (ex2.approx, tanh.approx)
 //   convert<To>(cutlass::Array<float, N>) fp32 -> fp16/bf16 round-to-nearest-even conversion (cvt.rn)
 //   clear_smem(tensor)                    zero-fill of a shared-memory partition with plain stores
+//   atomic_add(float* dst, float v)       red.global.add.f32 (atomicAdd, result unused): fp32 accumulation into
+//                                         global memory from many CTAs, e.g. the backward's dQ (order unspecified)
 #pragma once
 
 #include <type_traits>
@@ -74,6 +76,8 @@ struct Sm80Arch {
   }
   template <class Tensor>
   CUTE_DEVICE static void clear_smem(Tensor&& t) { cute::clear(t); }
+  // Unused by the forward kernel; compiles to RED.E.ADD.F32 when the result is ignored.
+  CUTE_DEVICE static void atomic_add(float* dst, float value) { atomicAdd(dst, value); }
 #endif
 };
 

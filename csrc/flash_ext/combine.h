@@ -11,6 +11,7 @@
 #include <cute/config.hpp>
 
 #include "block_info.h"
+#include "grid.h"
 #include "params.h"
 
 namespace flash_ext {
@@ -54,6 +55,18 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
     }
     o[c] = Element(acc);
   }
+}
+
+// Combine thread t of (batch bidb, head bidh) merges column group t % groups of query row t / groups
+// (grid.h): the per-thread body of the CUDA combine kernel, also run by the warp emulator.
+template <class Element>
+CUTE_HOST_DEVICE void combine_thread(FwdParams const& p, int bidb, int bidh, int64_t t) {
+  int const groups = int(combine_col_groups(p.d));
+  int const row = int(t / groups);
+  int const col = int(t % groups) * kCombineCols;
+  BlockInfo const binfo(p, bidb);
+  if (row >= binfo.seqlen_q) { return; }
+  combine_row<Element>(p, binfo, bidb, bidh, row, col, col + kCombineCols < p.d ? col + kCombineCols : p.d);
 }
 
 }  // namespace flash_ext

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "grid.h"
 #include "params.h"
 
 namespace flash_ext {
@@ -13,16 +14,18 @@ enum class DType { kFloat32, kFloat16, kBFloat16 };
 // CPU backend: the kernel body with HostTraits, run over at::parallel_for.
 void run_fwd_cpu(FwdParams const& params, DType dtype);
 
-#if defined(FLASH_EXT_WITH_CUDA)
-// What the CUDA dispatcher would launch for a problem; `ok` false with `why` set when nothing can run.
+// What the CUDA dispatcher (or the warp emulator, which mirrors it) would launch for a problem; `ok` false
+// with `why` set when nothing can run.
 struct CudaPlan {
   bool ok = false;
   std::string why;
   int head_dim = 0, block_m = 0, block_n = 0, num_warps = 0, smem_bytes = 0;
   int variant = -1;
   const char* variant_name = "";
-  int grid_m = 0;
+  GridDims grid;  // the launch grid (grid.h)
 };
+
+#if defined(FLASH_EXT_WITH_CUDA)
 CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int device_cc_major, int device_cc_minor,
                        int max_smem_per_block_optin);
 // Launches on `stream` (a cudaStream_t) of the current device, whose compute capability and opt-in shared

@@ -15,6 +15,7 @@
 #include "epilogue.h"
 #include "flags.h"
 #include "gemm.h"
+#include "grid.h"
 #include "mask.h"
 #include "params.h"
 #include "softmax.h"
@@ -215,6 +216,17 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse(), flags.dropout, params.dropout_scale);
   // The last read of sQ (the final Q.K^T) happened before the loop's second barrier: sO may reuse it.
   write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
+}
+
+// One CTA of the forward grid (grid.h): block (bx, by, bz) of a grid with gridDim.y == grid_y.  The body of
+// the CUDA kernel and of the warp emulator's launch, so both decode the grid the same way.
+template <class Traits, class Flags>
+CUTE_HOST_DEVICE void fwd_cta(FwdParams const& params, unsigned bx, unsigned by, unsigned bz, unsigned grid_y,
+                              int tidx, char* smem) {
+  FwdBlock const blk = fwd_block(bx, by, bz, grid_y, params.b, params.h, params.num_splits);
+  if (!blk.valid) { return; }
+  compute_attn_1rowblock<Traits>(params, flags_from_params<Traits, Flags>(params), blk.bidb, blk.bidh, blk.m_block,
+                                 tidx, smem, blk.n_split);
 }
 
 }  // namespace flash_ext

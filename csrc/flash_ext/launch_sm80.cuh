@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "grid.h"
 #include "kernel_fwd.h"
 #include "params.h"
 #include "traits_sm80.h"
@@ -22,15 +23,11 @@ struct Sm80Fwd {
       sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm86) != sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm80);
 };
 
-// One CTA per (m_block, batch, head, split): blockIdx.x = m_block so that CTAs of the same head, which
-// share K/V, are scheduled together and hit in L2; blockIdx.z = split * h + head.
+// One CTA per (m_block, batch, head, split), laid out and decoded by grid.h.
 template <class Traits, class Flags>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(__grid_constant__ const FwdParams params) {
   extern __shared__ __align__(128) char smem[];
-  int const bidh = int(blockIdx.z) % params.h;
-  int const n_split = int(blockIdx.z) / params.h;
-  compute_attn_1rowblock<Traits>(params, flags_from_params<Traits, Flags>(params), int(blockIdx.y), bidh,
-                                 int(blockIdx.x), int(threadIdx.x), smem, n_split);
+  fwd_cta<Traits, Flags>(params, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, int(threadIdx.x), smem);
 }
 
 template <class Traits, class Flags>
@@ -42,8 +39,9 @@ std::string launch_fwd(FwdParams const& params, cudaStream_t stream) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) { return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err); }
   }
-  dim3 const grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.b, params.h * params.num_splits);
-  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+  GridDims const g = fwd_grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.b, params.h, params.num_splits);
+  if (char const* why = grid_error(g)) { return std::string("grid: ") + why; }
+  kernel<<<dim3(unsigned(g.x), unsigned(g.y), unsigned(g.z)), Traits::kNThreads, kSmem, stream>>>(params);
   err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string("kernel launch: ") + cudaGetErrorString(err);
 }

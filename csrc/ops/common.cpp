@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <mutex>
 #include <sstream>
 
 #if defined(FLASH_EXT_WITH_CUDA)
@@ -21,7 +23,11 @@
 #endif
 
 #include "flash_ext/dispatch.h"
+#include "flash_ext/grid.h"
 #include "flash_ext/launch_host.h"
+#if defined(FLASH_EXT_WITH_EMULATOR)
+#include "emu/fwd_emu.h"
+#endif
 
 namespace flash_ext::ops {
 
@@ -37,10 +43,10 @@ bool aligned16(at::Tensor const& t) {
   return true;
 }
 
-// CUDA inputs whose rows are not 16-byte aligned are copied into fresh (aligned) storage; CPU inputs are
-// read element-wise and used as they are.
-at::Tensor aligned_for_kernel(at::Tensor const& t) {
-  if (!t.is_cuda() || aligned16(t)) { return t; }
+// Sm80 inputs (CUDA, or the emulated GPU, which checks them) whose rows are not 16-byte aligned are copied into
+// fresh (aligned) storage; the host backend reads element-wise and uses its inputs as they are.
+at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80) {
+  if (!sm80 || aligned16(t)) { return t; }
   at::Tensor c = t.contiguous();
   return aligned16(c) ? c : c.clone();
 }
@@ -84,10 +90,23 @@ struct TileChoice {
   std::string why;
   int head_dim = 0, block_m = 0, block_n = 0, threads = 0, smem = 0;
   std::string variant;
+  GridDims grid;  // Sm80 paths: the launch grid
 };
+
+TileChoice from_cuda_plan(CudaPlan const& cp) {
+  TileChoice t;
+  t.ok = cp.ok, t.why = cp.why, t.head_dim = cp.head_dim, t.block_m = cp.block_m, t.block_n = cp.block_n;
+  t.threads = 32 * cp.num_warps, t.smem = cp.smem_bytes, t.variant = cp.variant_name, t.grid = cp.grid;
+  return t;
+}
 
 TileChoice choose_tile(FwdParams const& p, at::Tensor const& q, DeviceInfo const& dev) {
   TileChoice t;
+  if (dev.emulated) {
+#if defined(FLASH_EXT_WITH_EMULATOR)
+    return from_cuda_plan(emu::plan_fwd_emu(p, to_dtype(q.scalar_type())));
+#endif
+  }
   if (!dev.cuda) {
     t.head_dim = host_head_dim_for(p.d);
     t.ok = t.head_dim > 0;
@@ -100,16 +119,134 @@ TileChoice choose_tile(FwdParams const& p, at::Tensor const& q, DeviceInfo const
     return t;
   }
 #if defined(FLASH_EXT_WITH_CUDA)
-  CudaPlan const cp = plan_fwd_cuda(p, to_dtype(q.scalar_type()), dev.cc_major, dev.cc_minor, dev.smem_per_block_optin);
-  t.ok = cp.ok, t.why = cp.why, t.head_dim = cp.head_dim, t.block_m = cp.block_m, t.block_n = cp.block_n;
-  t.threads = 32 * cp.num_warps, t.smem = cp.smem_bytes, t.variant = cp.variant_name;
+  return from_cuda_plan(plan_fwd_cuda(p, to_dtype(q.scalar_type()), dev.cc_major, dev.cc_minor, dev.smem_per_block_optin));
 #else
   t.why = "flash_ext was built without CUDA";
 #endif
   return t;
 }
 
+std::string emulate_from_env() {
+  char const* e = std::getenv("FLASH_EXT_EMULATE");
+  return e == nullptr ? std::string() : std::string(e);
+}
+std::mutex g_emulate_mutex;
+std::string g_emulate = emulate_from_env();  // guarded by g_emulate_mutex
+std::string g_emulator_report = "{}";       // guarded by g_emulate_mutex
+std::string g_emulator_test_fault;          // guarded by g_emulate_mutex; see set_emulator_test_fault
+
+#if defined(FLASH_EXT_WITH_EMULATOR)
+// Bytes [data_ptr, data_ptr + extent) a kernel may touch for a tensor view.
+emu::GlobalRange range_of(at::Tensor const& t, bool writable, char const* name) {
+  int64_t last = 0;
+  for (int64_t i = 0; i < t.dim(); ++i) { last += (t.size(i) - 1) * t.stride(i); }
+  auto const begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  auto const bytes = t.numel() == 0 ? 0 : uintptr_t(last + 1) * uintptr_t(t.element_size());
+  return {begin, begin + bytes, writable, name};
+}
+
+// The emulated Sm80 launch: the CUDA dispatcher's kernels on emulated warps, CTAs over at::parallel_for.  The
+// kernel reads q/k/v and writes out (and the split accumulators); any finding fails the call with its report.
+void launch_emulated(FwdParams const& params, KernelInputs const& in, at::Tensor const& out,
+                     std::tuple<at::Tensor, at::Tensor> const& accum, char const* op) {
+  emu::EmuLaunch run;
+  run.globals = {range_of(in.q, false, "q"), range_of(in.k, false, "k"), range_of(in.v, false, "v"),
+                 range_of(out, true, "out")};
+  if (std::get<0>(accum).defined()) {
+    run.globals.push_back(range_of(std::get<0>(accum), true, "split partials"));
+    run.globals.push_back(range_of(std::get<1>(accum), true, "split partial LSE"));
+  }
+  std::string fault;
+  {
+    std::lock_guard<std::mutex> lock(g_emulate_mutex);
+    fault = g_emulator_test_fault;
+  }
+  for (emu::GlobalRange& r : run.globals) {  // test only: the kernel's last 16 bytes of one tensor are off limits
+    if (fault == std::string("narrow:") + r.name && r.end - r.begin >= 16) { r.end -= 16; }
+  }
+  run.parallel_for = [](int64_t begin, int64_t end, std::function<void(int64_t, int64_t)> const& body) {
+    at::parallel_for(begin, end, /*grain_size=*/1, body);
+  };
+  std::string const err = emu::run_fwd_emu(params, to_dtype(in.q.scalar_type()), run);
+  {
+    std::lock_guard<std::mutex> lock(g_emulate_mutex);
+    g_emulator_report = run.report.json();
+  }
+  TORCH_CHECK(err.empty(), op, " (warp emulator): ", err);
+  TORCH_CHECK(run.report.total() == 0, op, " (warp emulator, emulated sm_80): ", run.report.text());
+}
+#endif
+
 }  // namespace
+
+bool emulator_built() {
+#if defined(FLASH_EXT_WITH_EMULATOR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string emulator_head_dims_list() {
+#if defined(FLASH_EXT_WITH_EMULATOR)
+  return emu::emu_head_dims();
+#else
+  return "";
+#endif
+}
+
+std::string set_emulate(std::string const& mode) {
+  TORCH_CHECK_VALUE(mode.empty() || mode == "sm80", "flash_ext.emulate: got '", mode,
+                    "'; the warp emulator emulates 'sm80' ('' turns it off)");
+  TORCH_CHECK_VALUE(mode.empty() || emulator_built(), "flash_ext.emulate('sm80'): flash_ext was built without the "
+                    "warp emulator; rebuild with FLASH_EXT_EMULATOR=1");
+  std::lock_guard<std::mutex> lock(g_emulate_mutex);
+  std::string previous = g_emulate;
+  g_emulate = mode;
+  return previous;
+}
+
+bool emulated(at::Tensor const& q) {
+  if (!q.device().is_cpu() || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) { return false; }
+  std::string mode;
+  {
+    std::lock_guard<std::mutex> lock(g_emulate_mutex);
+    mode = g_emulate;
+  }
+  if (mode.empty()) { return false; }
+  TORCH_CHECK_VALUE(mode == "sm80", "FLASH_EXT_EMULATE: got '", mode, "'; the warp emulator emulates 'sm80' (or unset it)");
+  TORCH_CHECK_VALUE(emulator_built(), "FLASH_EXT_EMULATE=sm80: flash_ext was built without the warp emulator; "
+                    "rebuild with FLASH_EXT_EMULATOR=1");
+  return true;
+}
+
+std::string set_emulator_test_fault(std::string const& fault) {
+  TORCH_CHECK_VALUE(fault.empty() || fault == "narrow:q" || fault == "narrow:k" || fault == "narrow:v" ||
+                    fault == "narrow:out", "set_emulator_test_fault: got '", fault,
+                    "'; expected '' or 'narrow:' followed by q, k, v or out");
+  std::lock_guard<std::mutex> lock(g_emulate_mutex);
+  std::string previous = g_emulator_test_fault;
+  g_emulator_test_fault = fault;
+  return previous;
+}
+
+std::string emulator_last_report() {
+  std::lock_guard<std::mutex> lock(g_emulate_mutex);
+  return g_emulator_report;
+}
+
+DeviceInfo call_device(at::Tensor const& q) {
+  if (!emulated(q)) { return device_info(q.device()); }
+  DeviceInfo info;
+  info.emulated = true;
+  info.cc_major = 8, info.cc_minor = 0;
+#if defined(FLASH_EXT_WITH_EMULATOR)
+  info.processors = emu::kEmuProcessors;
+  info.smem_per_block_optin = emu::kEmuSmemOptin;
+#endif
+  info.name = "emulated sm_80";
+  return info;
+}
 
 void ArgChecker::raise_if_any() const {
   if (errors_.empty()) { return; }
@@ -229,7 +366,12 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   }
   // A partial build (FLASH_EXT_HOST_HEADDIMS / FLASH_EXT_HEADDIMS) has no kernel for larger head dims.
   int64_t const padded = (d + 7) / 8 * 8;
-  if (d >= 1 && d <= 256) {
+  if (d >= 1 && d <= 256 && emulated(q)) {
+#if defined(FLASH_EXT_WITH_EMULATOR)
+    std::string const why = emu::head_dim_unavailable(int(padded));
+    c.require(why.empty(), "head_dim", std::to_string(d), why);
+#endif
+  } else if (d >= 1 && d <= 256) {
     bool const cpu = q.device().is_cpu();
     if (cpu ? host_head_dim_for(int(padded)) < 0 : gpu_built_head_dim_for(int(padded)) < 0) {
       c.require(false, "head_dim", std::to_string(d),
@@ -324,7 +466,8 @@ KernelInputs prepare_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const&
     out.fill_(NAN);
     lse.fill_(NAN);
   }
-  KernelInputs in{aligned_for_kernel(q), aligned_for_kernel(k), aligned_for_kernel(v), std::nullopt};
+  bool const sm80 = q.is_cuda() || emulated(q);
+  KernelInputs in{aligned_for_kernel(q, sm80), aligned_for_kernel(k, sm80), aligned_for_kernel(v, sm80), std::nullopt};
   if (alibi_slopes.has_value()) { in.alibi = alibi_slopes->contiguous(); }
   set_inputs(p, in.q, in.k, in.v);
   set_outputs(p, out, lse);
@@ -337,7 +480,7 @@ std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q,
   if (requested > 1) {
     p.num_splits = int(requested);
   } else if (requested == 0) {
-    DeviceInfo const dev = device_info(q.device());
+    DeviceInfo const dev = call_device(q);
     TileChoice const t = choose_tile(p, q, dev);
     if (t.ok) {
       int const ctas = p.b * p.h * ceil_div(p.seqlen_q, t.block_m);
@@ -366,9 +509,12 @@ bool poison_outputs() { return g_poison_outputs.load(std::memory_order_relaxed);
 
 Plan make_plan(FwdParams const& p, at::Tensor const& q) {
   Plan plan;
-  DeviceInfo const dev = device_info(q.device());
-  plan.device = q.device().str() + (dev.cuda ? " (" + dev.name + ")" : "");
-  plan.backend = dev.cuda ? "Sm80 traits (CUDA)" : "host traits (CPU)";
+  DeviceInfo const dev = call_device(q);
+  plan.device = q.device().str() + (dev.cuda || dev.emulated ? " (" + dev.name + ")" : "");
+  plan.backend = dev.emulated ? "Sm80 traits on the warp emulator (CPU)"
+                 : dev.cuda   ? "Sm80 traits (CUDA)"
+                              : "host traits (CPU)";
+  plan.emulated = dev.emulated;
   TileChoice const t = choose_tile(p, q, dev);
   plan.ok = t.ok;
   if (!t.why.empty()) { plan.reasons.push_back(t.why); }
@@ -379,7 +525,11 @@ Plan make_plan(FwdParams const& p, at::Tensor const& q) {
   if (t.ok) {
     ProblemFlags const f = problem_flags(p, t.block_m, t.block_n, t.head_dim);
     plan.even_mn = f.even_mn, plan.even_k = f.even_k;
-    plan.grid[0] = ceil_div(p.seqlen_q, t.block_m), plan.grid[1] = p.b, plan.grid[2] = int64_t(p.h) * p.num_splits;
+    if (dev.cuda || dev.emulated) {  // the launch grid; (batch, head, split) folded over y and z (grid.h)
+      plan.grid[0] = t.grid.x, plan.grid[1] = t.grid.y, plan.grid[2] = t.grid.z;
+    } else {  // host work items
+      plan.grid[0] = ceil_div(p.seqlen_q, t.block_m), plan.grid[1] = p.b, plan.grid[2] = int64_t(p.h) * p.num_splits;
+    }
   }
   plan.causal = p.is_causal, plan.local = p.is_local, plan.alibi = p.alibi_slopes_ptr != nullptr;
   plan.softcap = p.softcap > 0, plan.dropout = p.is_dropout;
@@ -413,18 +563,34 @@ std::string plan_to_json(Plan const& plan) {
      << ", \"flags\": {\"even_mn\": " << b(plan.even_mn) << ", \"even_k\": " << b(plan.even_k)
      << ", \"causal\": " << b(plan.causal) << ", \"local\": " << b(plan.local) << ", \"alibi\": " << b(plan.alibi)
      << ", \"softcap\": " << b(plan.softcap) << ", \"split\": " << b(plan.num_splits > 1)
-     << ", \"dropout\": " << b(plan.dropout) << "}, \"window\": ["
+     << ", \"dropout\": " << b(plan.dropout) << "}, \"emulated\": " << b(plan.emulated) << ", \"window\": ["
      << plan.window_left << ", " << plan.window_right << "], \"hbm_bytes\": " << plan.hbm_bytes
      << ", \"naive_hbm_bytes\": " << plan.naive_hbm_bytes << "}";
   return os.str();
 }
 
-void launch(FwdParams const& params, at::Tensor const& q, char const* op) {
+void launch(FwdParams const& params, KernelInputs const& in, at::Tensor const& out,
+            std::tuple<at::Tensor, at::Tensor> const& accum, char const* op) {
+  at::Tensor const& q = in.q;
   static bool const log = [] {
     char const* e = std::getenv("FLASH_EXT_LOG");
     return e != nullptr && std::string(e) == "1";
   }();
   if (log) { std::fprintf(stderr, "[flash_ext] %s %s\n", op, plan_to_json(make_plan(params, q)).c_str()); }
+  bool const emu = emulated(q);
+  if (q.is_cuda() || emu) {
+    // grid.h folds (batch, head, split) over grid.y and grid.z: at most 65,535^2 of them per query-row block.
+    int64_t const items = int64_t(params.b) * params.h * params.num_splits;
+    TORCH_CHECK_VALUE(grid_error(fwd_grid(1, params.b, params.h, params.num_splits)) == nullptr, op, ": batch ",
+                      params.b, " x heads ", params.h, " x num_splits ", params.num_splits, " = ", items,
+                      " CTAs per query-row block; one launch takes at most ", kMaxFoldedItems);
+  }
+  if (emu) {
+#if defined(FLASH_EXT_WITH_EMULATOR)
+    launch_emulated(params, in, out, accum, op);
+#endif
+    return;
+  }
   if (q.device().is_cpu()) {
     run_fwd_cpu(params, to_dtype(q.scalar_type()));
     return;

@@ -52,12 +52,30 @@ DType to_dtype(at::ScalarType t);
 // round trip (cudaGetDeviceProperties costs about a millisecond, more than a decode step's kernel).
 struct DeviceInfo {
   bool cuda = false;
+  bool emulated = false;    // the warp emulator's sm_80 (see emulated())
   int cc_major = 0, cc_minor = 0;
-  int processors = 1;       // SMs on CUDA, at::get_num_threads() on the CPU
+  int processors = 1;       // SMs on CUDA (and of the emulated GPU), at::get_num_threads() on the CPU
   int smem_per_block_optin = 0;
-  std::string name;         // "cpu" or "<GPU name>, sm_XY"
+  std::string name;         // "cpu", "<GPU name>, sm_XY" or "emulated sm_80"
 };
 DeviceInfo device_info(at::Device device);
+// The device a call with this q runs on: device_info(q.device()), or the emulated sm_80 under emulated(q).
+DeviceInfo call_device(at::Tensor const& q);
+
+// The warp emulator (csrc/emu/, build knob FLASH_EXT_EMULATOR=1).  While its mode is "sm80" (initially from
+// FLASH_EXT_EMULATE, then flash_ext.emulate()), CPU fp16/bf16 calls of every op run the Sm80 CUDA kernels on
+// emulated warps instead of the host backend, and any finding of its checks fails the call.
+// set_emulate returns the previous mode; "" turns it off; another mode, or "sm80" in a build without the
+// emulator, is a ValueError (so is a call under such a FLASH_EXT_EMULATE value: never a silent fallback).
+std::string set_emulate(std::string const& mode);
+bool emulated(at::Tensor const& q);
+bool emulator_built();
+std::string emulator_head_dims_list();
+std::string emulator_last_report();  // JSON report of the latest emulated launch ("{}" before the first)
+// Test only: "narrow:<q|k|v|out>" tells the emulator that the last 16 bytes of that tensor are outside it, so
+// a correct kernel's legitimate accesses there become bad_address findings; this shows that a finding fails
+// the op call with its location.  "" (the default) turns it off; returns the previous setting.
+std::string set_emulator_test_fault(std::string const& fault);
 
 // q/k/v ranks, dtypes, devices, strides, head dims and heads.  Returns false if the ranks are wrong (later
 // shape checks would be meaningless).  kv_cache: k/v are (batch_cache or num_pages, rows, heads_k, head_dim),
@@ -108,7 +126,8 @@ struct Plan {
   std::vector<std::string> reasons;
   std::string device, backend, variant;
   int head_dim = 0, head_dim_tile = 0, block_m = 0, block_n = 0, threads_per_cta = 0, smem_bytes = 0;
-  int64_t grid[3] = {0, 0, 0};
+  int64_t grid[3] = {0, 0, 0};  // Sm80 paths: the launch grid (grid.h); host: (m_blocks, batch, heads x splits)
+  bool emulated = false;
   int num_splits = 1;
   bool varlen = false;
   bool even_mn = false, even_k = false, causal = false, local = false, alibi = false, softcap = false;
@@ -119,8 +138,11 @@ struct Plan {
 Plan make_plan(FwdParams const& p, at::Tensor const& q);
 std::string plan_to_json(Plan const& plan);
 
-// Runs the kernel for params on q's device (CPU backend or CUDA), logging the plan with FLASH_EXT_LOG=1.
-void launch(FwdParams const& params, at::Tensor const& q, char const* op);
+// Runs the kernel for params on q's device (CPU backend, CUDA, or the warp emulator), logging the plan with
+// FLASH_EXT_LOG=1.  `in`, `out` and the split accumulators are the tensors the kernel may touch (the
+// emulator checks every global access against them).
+void launch(FwdParams const& params, KernelInputs const& in, at::Tensor const& out,
+            std::tuple<at::Tensor, at::Tensor> const& accum, char const* op);
 
 // Decode with grouped heads: one query row per sequence and g = h / h_k query heads per K/V head.  Viewing
 // the g query heads of a group as g query rows of one head (flash_attn's "seqlenq_ngroups_swapped") fills

@@ -72,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
   fill_params(p, q, k, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
   auto const accum = set_splits(p, in.q, num_splits, b * sq);
   DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);
-  launch(p, q, "flash_ext.fwd");
+  launch(p, in, out, accum, "flash_ext.fwd");
   return {out, lse, dropout.out};
 }
 

@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor> attend(at::Tensor const& q, at::Tensor const&
   }
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
   auto const accum = set_splits(p, in.q, num_splits, b * sq);
-  launch(p, q, "flash_ext.kvcache_fwd");
+  launch(p, in, out, accum, "flash_ext.kvcache_fwd");
   return {out, lse};
 }
 

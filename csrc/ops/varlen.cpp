@@ -116,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
   auto const accum = set_splits(p, in.q, num_splits, total_q);
   DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);  // the mask's batch index: the sequence
-  launch(p, q, "flash_ext.varlen_fwd");
+  launch(p, in, out, accum, "flash_ext.varlen_fwd");
   return {out, lse, dropout.out};
 }
 

@@ -1,0 +1,38 @@
+"""``flash_ext.emulate``: run CPU fp16/bf16 calls on the warp emulator's Sm80 backend.
+
+The warp emulator (``csrc/emu/``, built with ``FLASH_EXT_EMULATOR=1``) executes the real Sm80 CUDA kernels --
+the same tile shapes, swizzled shared memory, tiled copies and MMAs, and the static-flag variant the GPU
+dispatcher picks -- on emulated warps on the CPU, with instruction semantics taken from the PTX ISA and
+checks for shared-memory races, reads of unlanded copies, bad addresses, warp divergence at collectives,
+threads leaving a barrier, copies in flight at exit and shared-memory bank conflicts.  Any finding makes the
+call raise, naming where it happened.  ``explain()`` reports the emulated plan.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Iterator
+
+from . import _C
+
+__all__ = ["emulate", "emulator_report"]
+
+
+@contextlib.contextmanager
+def emulate(arch: str = "sm80") -> Iterator[None]:
+    """Inside the block, every CPU fp16/bf16 call of every op (fwd, varlen, kvcache incl. paged, split-KV)
+    runs on the emulated ``arch`` (only ``"sm80"``).  The environment variable ``FLASH_EXT_EMULATE=sm80``
+    sets the same switch for a whole process.  Raises ``ValueError`` if the build has no emulator.
+    fp32 calls keep running on the host backend (the GPU kernels take fp16/bf16 only)."""
+    previous = _C.set_emulate(arch)
+    try:
+        yield
+    finally:
+        _C.set_emulate(previous)
+
+
+def emulator_report() -> dict:
+    """The report of the latest emulated launch: ``findings`` (total), ``counts`` per check, ``stats``
+    (CTAs, threads, barriers, ldmatrix/mma/shfl/cp.async executed, shared-memory wavefronts, ...) and the
+    first ``messages``.  ``{}`` before the first emulated call."""
+    return json.loads(_C.emulator_report())

@@ -1,0 +1,349 @@
+"""The Sm80 CUDA kernels, run on the warp emulator (csrc/emu/, build knob FLASH_EXT_EMULATOR=1).
+
+Every call runs inside ``flash_ext.emulate("sm80")``: the real Sm80 instantiation (tile shapes, swizzled
+shared memory, ldmatrix/mma fragments, cp.async and barriers, the static variant the GPU dispatcher picks)
+executes on emulated warps.  Each case asserts
+
+* the FA2 pass rule against the float64 reference (tests/attn_check.py), and
+* a clean emulator report: zero findings of every check (races, unlanded reads, bad addresses, divergence,
+  exits at a barrier, copies in flight at exit, bank conflicts), with evidence that the emulated kernel ran
+  (CTAs, ldmatrix and mma executed) and which static variant it was.
+
+Every head dim (32..256) x both dtypes x every variant (even, uneven, general; causal or not; split-KV;
+varlen; paged K/V; KV cache).  A head dim the build did not compile into the emulator is skipped with the
+reason; CI compiles a subset (``.ci/run``); ``-m full`` adds more shapes per case.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+import torch
+
+import flash_ext
+from attn_check import check_close, make_alibi, make_qkv
+
+pytestmark = pytest.mark.skipif(not flash_ext.build_info()["emulator"],
+                                reason="flash_ext was built without the warp emulator (FLASH_EXT_EMULATOR=1)")
+
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]
+DTYPES = [torch.float16, torch.bfloat16]
+DT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def require_head_dim(hd: int) -> None:
+    built = flash_ext.build_info()["emulator_head_dims"]
+    if hd not in built:
+        pytest.skip(f"head dim {hd} is not compiled into the emulator (emulated head dims {built}; "
+                    f"FLASH_EXT_EMU_HEADDIMS)")
+
+
+def assert_clean(context: str, variant: str | None = None, ran: bool = True) -> dict:
+    """The latest emulated launch: no finding of any check, the emulated kernel really ran, the variant."""
+    r = flash_ext.emulator_report()
+    assert r, f"{context}: no emulated launch recorded"
+    assert r["findings"] == 0 and not any(r["counts"].values()), f"{context}: {json.dumps(r, indent=1)}"
+    s = r["stats"]
+    assert s["ctas"] > 0 and s["threads"] == 256 * s["ctas"], f"{context}: {s}"
+    if ran:
+        assert s["ldmatrix"] > 0 and s["mma"] > 0 and s["cp_async"] > 0 and s["barriers"] > 0, f"{context}: {s}"
+    if variant is not None:
+        assert any(k.endswith(f"variant {variant}") for k in r["kernels"]), f"{context}: ran {r['kernels']}"
+    return r
+
+
+def run_fixed(hd: int, dtype: torch.dtype, sq: int, sk: int, h: int, hk: int, d: int, variant: str, b: int = 1,
+              q_scale: float = 1.0, **kw) -> None:
+    require_head_dim(hd)
+    if kw.get("alibi_slopes") == "alibi":
+        kw["alibi_slopes"] = make_alibi(b, h)
+    kw.setdefault("num_splits", 1)  # small problems would otherwise be split (and run the split variant)
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, q_scale=q_scale)
+    context = f"hd{hd} {DT[dtype]} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {kw}"
+    with flash_ext.emulate("sm80"):
+        plan = flash_ext.explain(q, k, v, verbose=False, **kw).plan
+        out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    assert plan["emulated"] and plan["backend"].startswith("Sm80 traits on the warp emulator"), plan
+    assert plan["head_dim_tile"] == hd and plan["variant"] == variant, (context, plan)
+    r = assert_clean(context, variant=variant)
+    splits = kw.get("num_splits", 1)
+    if splits and splits > 1:
+        assert plan["num_splits"] == splits and r["stats"]["smem_vector"] == 0, (context, plan, r["stats"])
+    kw.pop("num_splits", None)
+    check_close(out, lse, q, k, v, context=context, **kw)
+
+
+# (name, sq, sk, h, hk, d_offset, variant, kwargs): d = hd - d_offset.  Shapes are tile multiples for "even"
+# (block_m 128; block_n 64, or 32 at head dim 256).  No split unless num_splits says so.
+FIXED_CASES = [
+    ("even", 128, 256, 2, 2, 0, "even", {}),
+    ("even_causal", 128, 256, 2, 1, 0, "even", {"causal": True}),
+    ("uneven_gqa_d", 77, 200, 4, 2, 8, "uneven", {}),
+    ("uneven_causal_empty_rows", 150, 70, 2, 2, 0, "uneven", {"causal": True}),
+    ("split_forced", 3, 700, 2, 2, 0, "uneven", {"num_splits": 3}),
+    ("split_heuristic_decode", 1, 900, 8, 1, 0, "uneven", {"num_splits": 0, "causal": True}),
+    ("general_local_alibi_softcap", 100, 230, 2, 2, 8, "general",
+     {"window_size": (40, 7), "alibi_slopes": "alibi", "softcap": 5.0}),
+    ("general_causal_alibi_split", 64, 333, 2, 2, 0, "general", {"causal": True, "alibi_slopes": "alibi",
+                                                                   "num_splits": 2}),
+]
+FULL_SHAPES = [(1, 1), (129, 63), (256, 512), (300, 97)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("case", FIXED_CASES, ids=[c[0] for c in FIXED_CASES])
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_fixed_length(hd: int, case: tuple, dtype: torch.dtype) -> None:
+    name, sq, sk, h, hk, d_off, variant, kw = case
+    q_scale = 4.0 if kw.get("softcap") else 1.0
+    run_fixed(hd, dtype, sq, sk, h, hk, hd - d_off, variant, q_scale=q_scale, **dict(kw))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("shape", FULL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("flags", ["plain", "causal", "window", "alibi_softcap_causal"])
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_fixed_length_full(hd: int, flags: str, shape: tuple, dtype: torch.dtype) -> None:
+    sq, sk = shape
+    kw: dict = {"plain": {}, "causal": {"causal": True}, "window": {"window_size": (20, 3)},
+                "alibi_softcap_causal": {"causal": True, "alibi_slopes": "alibi", "softcap": 8.0}}[flags]
+    even = sq % 128 == 0 and sk % (32 if hd == 256 else 64) == 0 and flags in ("plain", "causal")
+    variant = "even" if even else ("uneven" if flags in ("plain", "causal") else "general")
+    run_fixed(hd, dtype, sq, sk, 3, 1, hd, variant, b=2, q_scale=4.0 if "softcap" in kw else 1.0, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Varlen (with and without paged K/V) and the KV cache.
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+
+
+def _check_sequences(out, lse, q, k_seqs, v_seqs, cu_q, context, **kw) -> None:
+    for i, (ks, vs) in enumerate(zip(k_seqs, v_seqs)):
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        if a == e:
+            continue
+        check_close(out[a:e][None], lse[:, a:e][None], q[a:e][None], ks[None], vs[None],
+                    context=f"{context} sequence {i}", **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_varlen(hd: int, paged: bool) -> None:
+    require_head_dim(hd)
+    dtype = torch.bfloat16 if paged else torch.float16
+    lens_q, lens_k = [5, 0, 130, 77], [9, 3, 130, 300]
+    h, hk, d = 4, 2, hd - 8
+    q = torch.randn(sum(lens_q), h, d, dtype=dtype)
+    k_seqs = [torch.randn(n, hk, d, dtype=dtype) for n in lens_k]
+    v_seqs = [torch.randn(n, hk, d, dtype=dtype) for n in lens_k]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    kw = {"causal": True}
+    if paged:
+        page = 128
+        pages_per = [max(1, -(-n // page)) for n in lens_k]
+        order = torch.randperm(sum(pages_per))  # pages of a sequence scattered over the pool
+        k = torch.full((sum(pages_per), page, hk, d), float("nan"), dtype=dtype)
+        v = torch.full_like(k, float("nan"))
+        table = torch.zeros(len(lens_k), max(pages_per), dtype=torch.int32)
+        nxt = 0
+        for i, n in enumerate(lens_k):
+            for j in range(pages_per[i]):
+                pg = int(order[nxt])
+                nxt += 1
+                table[i, j] = pg
+                rows = slice(j * page, min(n, (j + 1) * page))
+                k[pg, : rows.stop - rows.start] = k_seqs[i][rows]
+                v[pg, : rows.stop - rows.start] = v_seqs[i][rows]
+        extra = {"block_table": table}
+    else:
+        k, v = torch.cat(k_seqs), torch.cat(v_seqs)
+        extra = {}
+    with flash_ext.emulate():
+        out, lse, _ = flash_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                       return_attn_probs=True, **kw, **extra)
+    context = f"varlen hd{hd} {'paged' if paged else 'packed'}"
+    assert_clean(context, variant="uneven")
+    _check_sequences(out, lse, q, k_seqs, v_seqs, cu_q, context, **kw)
+
+
+@pytest.mark.parametrize("mode", ["paged_split", "batch_idx_leftpad"])
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_kvcache(hd: int, mode: str) -> None:
+    """Decode steps with an append: paged cache with the split heuristic, and a contiguous cache read through
+    cache_batch_idx with left padding (explicit splits)."""
+    require_head_dim(hd)
+    dtype = torch.float16 if mode == "paged_split" else torch.bfloat16
+    b, sq, hk, h, d, new = 2, 2, 2, 4, hd, 2
+    seqlens = torch.tensor([300, 45], dtype=torch.int32)
+    k_new = torch.randn(b, new, hk, d, dtype=dtype)
+    v_new = torch.randn(b, new, hk, d, dtype=dtype)
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    kw: dict = {"causal": True}
+    if mode == "paged_split":
+        page, npages = 128, 8
+        k_cache = torch.randn(npages, page, hk, d, dtype=dtype)
+        v_cache = torch.randn(npages, page, hk, d, dtype=dtype)
+        table = torch.tensor([[5, 1, 6], [2, 7, 0]], dtype=torch.int32)
+        kw.update(block_table=table, num_splits=0)
+        rows_of = lambda kc, i, end: kc[table[i]].reshape(-1, hk, d)[:end]  # noqa: E731
+        leftpad = torch.zeros(b, dtype=torch.int32)
+    else:
+        cache_len = 400
+        k_cache = torch.randn(3, cache_len, hk, d, dtype=dtype)
+        v_cache = torch.randn(3, cache_len, hk, d, dtype=dtype)
+        batch_idx = torch.tensor([2, 0], dtype=torch.int32)
+        leftpad = torch.tensor([7, 0], dtype=torch.int32)
+        kw.update(cache_batch_idx=batch_idx, cache_leftpad=leftpad, num_splits=3)
+        rows_of = lambda kc, i, end: kc[int(batch_idx[i])][:end]  # noqa: E731
+    with flash_ext.emulate():
+        out, lse = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                     return_softmax_lse=True, **kw)
+    assert_clean(f"kvcache hd{hd} {mode}", variant="uneven")
+    for i in range(b):
+        end = int(seqlens[i]) + new
+        lp = int(leftpad[i])
+        ks, vs = rows_of(k_cache, i, end)[lp:], rows_of(v_cache, i, end)[lp:]
+        assert torch.equal(ks[-new:], k_new[i]), "the append landed where the kernel reads"
+        check_close(out[i:i + 1], lse[i:i + 1], q[i:i + 1], ks[None], vs[None], causal=True,
+                    context=f"kvcache hd{hd} {mode} batch {i}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The switch itself.
+
+def test_emulate_switch_and_explain() -> None:
+    built = flash_ext.build_info()["emulator_head_dims"]
+    q, k, v = make_qkv(1, 40, 50, 2, 2, built[0], torch.float16)
+    assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"]
+    with flash_ext.emulate():
+        plan = flash_ext.explain(q, k, v, verbose=False).plan
+        assert plan["emulated"] and plan["threads_per_cta"] == 256 and "emulated sm_80" in plan["device"]
+        fp32 = flash_ext.explain(q.float(), k.float(), v.float(), verbose=False).plan
+        assert not fp32["emulated"] and fp32["backend"].startswith("host traits"), "fp32 stays on the host"
+    assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"], "the context manager restores"
+    with pytest.raises(ValueError, match="sm80"):
+        with flash_ext.emulate("sm90"):
+            pass
+
+
+def test_unbuilt_head_dim_is_refused_by_name() -> None:
+    built = flash_ext.build_info()["emulator_head_dims"]
+    if 256 in built:
+        pytest.skip("every head dim up to 256 is compiled into the emulator")
+    d = max(built) + 8
+    q, k, v = make_qkv(1, 8, 8, 1, 1, d, torch.bfloat16)
+    with flash_ext.emulate():
+        assert "no emulated Sm80 kernel" in flash_ext.explain(q, k, v, verbose=False).reasons[0]
+        with pytest.raises(ValueError, match="no emulated Sm80 kernel for head dim"):
+            flash_ext.flash_attn_func(q, k, v)
+
+
+def test_environment_variable_turns_it_on(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    d = flash_ext.build_info()["emulator_head_dims"][0]
+    code = ("import torch, flash_ext; q = torch.randn(1, 5, 1, %d, dtype=torch.float16); "
+            "flash_ext.flash_attn_func(q, q, q); print(flash_ext.emulator_report()['stats']['ctas'])" % d)
+    env = dict(os.environ, FLASH_EXT_EMULATE="sm80")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A finding fails the call.  The kernel-bug fault injection (dropped barriers and cp.async waits, unswizzled
+# shared memory, wrong shuffle masks, wrong P pairing, each caught) is tests/cpp/test_emu_faults.cpp, run by
+# tests/test_cpp_host.py; here the op-layer plumbing: the test-only hook narrows one tensor by 16 bytes in
+# the emulator's address check, so the correct kernel's reads (or writes) of those bytes become findings.
+
+@pytest.mark.parametrize("tensor,access", [("k", "reads"), ("v", "reads"), ("out", "writes")])
+def test_a_finding_fails_the_call_with_its_location(tensor: str, access: str) -> None:
+    d = flash_ext.build_info()["emulator_head_dims"][0]
+    q, k, v = make_qkv(1, 70, 90, 2, 2, d, torch.float16)
+    previous = flash_ext._C._set_emulator_test_fault(f"narrow:{tensor}")
+    try:
+        with flash_ext.emulate(), pytest.raises(RuntimeError) as info:
+            flash_ext.flash_attn_func(q, k, v, num_splits=1)
+    finally:
+        flash_ext._C._set_emulator_test_fault(previous)
+    msg = str(info.value)
+    assert "warp emulator" in msg and "bad_address" in msg and f"({tensor} spans" in msg, msg
+    # who (thread, warp, lane), what, the kernel source line of its last instruction, and which CTA
+    assert access in msg and re.search(r"after \w+\.h:\d+", msg) and "CTA block (" in msg, msg
+    r = flash_ext.emulator_report()
+    # (a refused cp.async leaves its shared bytes unlanded, so unlanded reads may follow)
+    assert r["counts"]["bad_address"] > 0 and r["findings"] >= r["counts"]["bad_address"], r["counts"]
+    # Without the hook the same call is clean: the finding came from the narrowed range alone.
+    with flash_ext.emulate():
+        flash_ext.flash_attn_func(q, k, v, num_splits=1)
+    assert_clean(f"narrow:{tensor} off")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dropout (the static "dropout" variant): the emulated kernel's mask is the contract's (csrc/flash_ext/
+# dropout.h), bit for bit the CPU backend's and the numpy reference's (tests/dropout_ref.py).
+
+def _rng_state(seed: int, offset: int) -> torch.Tensor:
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+def _keep_pattern(hd: int, p: float, rs: torch.Tensor, b: int, h: int, sq: int, varlen: bool = False) -> torch.Tensor:
+    """The kernel's keep mask, read off its output: q = 0 makes every probability 1/sk, and V = the identity
+    (sk = hd keys, one per column) puts P[i, j] into O[i, j], so O[i, j] != 0 exactly where (i, j) is kept."""
+    sk = hd
+    q = torch.zeros(b, sq, h, hd, dtype=torch.float16)
+    k = torch.randn(b, sk, h, hd, dtype=torch.float16)
+    v = torch.eye(hd, dtype=torch.float16).expand(b, h, hd, hd).permute(0, 2, 1, 3).contiguous()
+    if varlen:
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32)
+        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32)
+        out = torch.ops.flash_ext.varlen_fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, None,
+                                             sq, sk, hd ** -0.5, False, -1, -1, 0.0, None, num_splits=1,
+                                             dropout_p=p, rng_state=rs)[0]
+        out = out.unflatten(0, (b, sq))
+    else:
+        out = torch.ops.flash_ext.fwd(q, k, v, hd ** -0.5, False, -1, -1, 0.0, None, 1, p, rs)[0]
+    return (out != 0).permute(0, 2, 1, 3)  # (b, h, sq, sk)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fwd", "varlen"])
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_dropout_mask_is_the_cpu_backends(hd: int, varlen: bool) -> None:
+    require_head_dim(hd)
+    from dropout_ref import dropout_keep_mask
+    p, b, h, sq = 0.3, 2, 3, 150
+    rs = _rng_state(0x1234567890AB, (5 << 33) + 12)
+    with flash_ext.emulate():
+        emulated = _keep_pattern(hd, p, rs, b, h, sq, varlen)
+    r = assert_clean(f"dropout mask hd{hd}", variant="dropout")
+    host = _keep_pattern(hd, p, rs, b, h, sq, varlen)
+    reference = torch.from_numpy(dropout_keep_mask(int(rs[0]), int(rs[1]), p, b, h, sq, hd))
+    assert torch.equal(host, reference), "the CPU backend's mask is the contract's"
+    assert torch.equal(emulated, host), f"{int((emulated != host).sum())} mask bits differ from the CPU backend"
+    assert 0.6 < emulated.float().mean() < 0.8
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_dropout_output(hd: int, dtype: torch.dtype) -> None:
+    """Odd shapes, GQA, causal, ALiBi, the split heuristic: O and LSE against the
+    float64 reference with the contract's mask."""
+    require_head_dim(hd)
+    from dropout_ref import dropout_keep_mask
+    b, sq, sk, h, hk, p = 2, 77, 140, 4, 2, 0.17
+    q, k, v = make_qkv(b, sq, sk, h, hk, hd - 8, dtype)
+    slopes = make_alibi(b, h)
+    rs = _rng_state(99 + hd, 4 * hd)
+    with flash_ext.emulate():
+        out, lse, rs_out = torch.ops.flash_ext.fwd(q, k, v, (hd - 8) ** -0.5, True, -1, -1, 0.0, slopes, 0, p, rs)
+    assert_clean(f"dropout hd{hd}", variant="dropout")
+    assert torch.equal(rs_out, rs)
+    mask = torch.from_numpy(dropout_keep_mask(int(rs[0]), int(rs[1]), p, b, h, sq, sk))
+    check_close(out, lse, q, k, v, causal=True, alibi_slopes=slopes, dropout_p=p, dropout_mask=mask,
+                context=f"dropout hd{hd} {DT[dtype]}")
