@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import flash_ext
-from attn_check import check_close, make_alibi, make_qkv
+from attn_check import check_close, make_alibi
 
 pytestmark = pytest.mark.skipif(not flash_ext.build_info()["emulator"],
                                 reason="flash_ext was built without the warp emulator (FLASH_EXT_EMULATOR=1)")
@@ -31,6 +31,13 @@ pytestmark = pytest.mark.skipif(not flash_ext.build_info()["emulator"],
 HEAD_DIMS = [32, 64, 96, 128, 192, 256]
 DTYPES = [torch.float16, torch.bfloat16]
 DT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def make_qkv(b: int, sq: int, sk: int, h: int, hk: int, d: int, dtype: torch.dtype, q_scale: float = 1.0):
+    """Standard-normal q, k, v (attn_check.make_qkv, without its skip for head dims the CPU backend lacks: the
+    emulator has its own head dims, require_head_dim)."""
+    q = (torch.randn(b, sq, h, d) * q_scale).to(dtype)
+    return q, torch.randn(b, sk, hk, d).to(dtype), torch.randn(b, sk, hk, d).to(dtype)
 
 
 def require_head_dim(hd: int) -> None:
@@ -217,8 +224,9 @@ def test_kvcache(hd: int, mode: str) -> None:
 # The switch itself.
 
 def test_emulate_switch_and_explain() -> None:
-    built = flash_ext.build_info()["emulator_head_dims"]
-    q, k, v = make_qkv(1, 40, 50, 2, 2, built[0], torch.float16)
+    info = flash_ext.build_info()
+    d = min(info["emulator_head_dims"][0], max(info["host_head_dims"]))  # served by both backends
+    q, k, v = make_qkv(1, 40, 50, 2, 2, d, torch.float16)
     assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"]
     with flash_ext.emulate():
         plan = flash_ext.explain(q, k, v, verbose=False).plan
