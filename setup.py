@@ -131,7 +131,8 @@ def build_extension():
     macros = [f"-DFLASH_EXT_WITH_CUDA", f"-DFLASH_EXT_GPU_HEADDIMS_MASK={mask}",
               f'-DFLASH_EXT_CUDA_ARCHS_STR="{";".join(archs)}"']
     gen = ROOT / "csrc" / "cuda" / "generated"
-    sources += [ROOT / "csrc" / "cuda" / "fwd_dispatch.cu", ROOT / "csrc" / "cuda" / "dropout_mask.cu"]
+    sources += [ROOT / "csrc" / "cuda" / "fwd_dispatch.cu", ROOT / "csrc" / "cuda" / "dropout_mask.cu",
+                ROOT / "csrc" / "cuda" / "bwd_dispatch.cu"]
     sources += sorted(p for p in gen.glob("*.cu") if int(p.name.split("_")[1][len("hdim"):]) in head_dims)
     nvcc = ["-O3", "-std=c++20", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",

@@ -112,6 +112,9 @@ struct BwdParams : FwdParams {
   // D = rowsum(dO * O) per query row, fp32, laid out like softmax_lse ((b, h, seqlen_q), varlen (h, total_q)).
   // Written by the preprocess, read by the main kernel.
   float* __restrict__ softmax_d_ptr = nullptr;
+  // Optional upstream gradient of softmax_lse (laid out like it).  d LSE_i / d score_ij = P_ij, so it enters
+  // only through D: dS = P * (dP - (D - dLSE)).  nullptr: none.
+  float const* __restrict__ dsoftmax_lse_ptr = nullptr;
 
   // dQ accumulators, fp32 (dq_accum_splits, h, accum_rows, d) with accum_rows as in FwdParams (b * seqlen_q,
   // or total_q).  The main kernel adds the unscaled dS.K of every K/V tile into slice `dq_slice` of its CTA;
