@@ -552,3 +552,50 @@ def test_grad_empty(device, b, sq, sk):
     flash_attn_func(q, k, v, causal=True).float().sum().backward()
     for t in (q, k, v):
         assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one ValueError naming every problem, raised before anything is written.
+
+def test_bwd_op_reports_every_bad_argument_and_writes_nothing():
+    require_head_dim(torch.device("cpu"), 32, torch.float16)
+    q, k, v = make_qkv(2, 10, 12, 4, 2, 32, torch.float16)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    dq, dk, dv = (torch.full_like(t, 7.0) for t in (q, k, v))
+    bad_dout = torch.randn(2, 10, 4, 16)          # wrong head dim and dtype
+    bad_lse = lse[:, :, :5]                        # wrong shape
+    bad_dk = torch.full((2, 12, 2, 32), 7.0, dtype=torch.bfloat16)  # wrong dtype
+    with pytest.raises(ValueError) as err:
+        torch.ops.flash_ext.bwd(bad_dout, q, k, v, out, bad_lse, dq, bad_dk, dv, 0.0, -1.0, True, -2, -1, 0.0, None,
+                                False)
+    msg = str(err.value)
+    for name in ("dout", "softmax_lse", "dk", "softmax_scale", "window_size[0]"):
+        assert name in msg, (name, msg)
+    assert (dq == 7).all() and (bad_dk == 7).all() and (dv == 7).all()
+    with pytest.raises(ValueError, match="dropout_p"):
+        torch.ops.flash_ext.bwd(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, 1.5, 0.1, True, -1, -1, 0.0,
+                                None, False)
+    with pytest.raises(ValueError, match="dsoftmax_lse"):
+        torch.ops.flash_ext.bwd(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, 0.0, 0.1, True, -1, -1, 0.0,
+                                None, False, None, lse.double())
+    assert (dq == 7).all() and (dk == 7).all() and (dv == 7).all()
+
+
+def test_varlen_bwd_op_checks_index_values_before_writing():
+    require_head_dim(torch.device("cpu"), 32, torch.float16)
+    q = torch.randn(30, 2, 32, dtype=torch.float16)
+    k = torch.randn(40, 2, 32, dtype=torch.float16)
+    v = torch.randn(40, 2, 32, dtype=torch.float16)
+    cu_q, cu_k = _cu([10, 20], "cpu"), _cu([15, 25], "cpu")
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 25, return_attn_probs=True)
+    dq, dk, dv = (torch.full_like(t, 7.0) for t in (q, k, v))
+    bad_cu_k = torch.tensor([0, 30, 20], dtype=torch.int32)  # decreasing
+    used = torch.tensor([16, 3], dtype=torch.int32)          # 16 > the first sequence's 15 keys
+    with pytest.raises(ValueError) as err:
+        torch.ops.flash_ext.varlen_bwd(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, cu_q, bad_cu_k, 20, 25,
+                                       0.0, 0.1, False, -1, -1, 0.0, None, False, None, used)
+    assert "cu_seqlens_k" in str(err.value)
+    with pytest.raises(ValueError, match="seqused_k"):
+        torch.ops.flash_ext.varlen_bwd(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 20, 25,
+                                       0.0, 0.1, False, -1, -1, 0.0, None, False, None, used)
+    assert (dq == 7).all() and (dk == 7).all() and (dv == 7).all()
