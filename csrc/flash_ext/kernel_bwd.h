@@ -243,6 +243,13 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     // it - 1, so sP, sdS and the other Q buffer (last read by its dK = dS^T Q) may be overwritten.
     Traits::template cp_async_wait<0>();
     Traits::barrier();
+    if constexpr (Traits::kKVInRegs) {
+      if (it == 0) {  // K and V landed with the first Q/dO tiles; their operand fragments serve the whole walk
+        copy(smem_tiled_copy_KV, tSsK, smem_thr_copy_KV.retile_D(tSrK));
+        copy(smem_tiled_copy_KV, tdPsV, smem_thr_copy_KV.retile_D(tdPrV));
+        copy(smem_tiled_copy_Kt, tdQsKt, smem_thr_copy_Kt.retile_D(tdQrKt));
+      }
+    }
     if constexpr (Traits::kDoubleBufferQ) {
       if (has_next) {  // Q(it + 1) streams in during this whole iteration
         load_q(it + 1, 1 - q_buf);
@@ -268,12 +275,17 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     // dP = dO V^T, then S = Q K^T (dP first: the softcap derivative is folded into it while S is at hand).
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
     clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
-            smem_thr_copy_QdO, smem_thr_copy_KV);
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA,MMA_M,MMA_N)
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, q_buffer(tSsQ, q_buf), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
-            smem_thr_copy_QdO, smem_thr_copy_KV);
+    if constexpr (Traits::kKVInRegs) {
+      gemm_sr(acc_dp, tdPrdO, tdPrV, tdPsdO, tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO);
+      gemm_sr(acc_s, tSrQ, tSrK, q_buffer(tSsQ, q_buf), tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO);
+    } else {
+      gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
+              smem_thr_copy_QdO, smem_thr_copy_KV);
+      gemm_ss(acc_s, tSrQ, tSrK, q_buffer(tSsQ, q_buf), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO,
+              smem_tiled_copy_KV, smem_thr_copy_QdO, smem_thr_copy_KV);
+    }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     Tensor dp = acc_rowcol<Traits::kAccValCols>(acc_dp);                                     // (ROWS,COLS)
 
@@ -335,8 +347,16 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
 
     Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA,MMA_M,MMA_K)
     clear(acc_dq);
-    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS, smem_tiled_copy_Kt,
-            smem_thr_copy_dS, smem_thr_copy_Kt);
+    if constexpr (Traits::kDSFromAcc) {
+      // The dS accumulator's registers already are the A operand of dS.K (one thread, the atom's K equals
+      // its N, as for P in the forward's P.V).
+      Tensor tdQrdS_acc = make_tensor(acc_dp.data(), Traits::acc_to_a_layout(acc_dp.layout()));  // (MMA,MMA_M,MMA_N)
+      static_assert(Traits::kKVInRegs, "dS from the accumulator is paired with K^T in registers");
+      cute::gemm(tiled_mma_dq, tdQrdS_acc, tdQrKt, acc_dq);
+    } else {
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS, smem_tiled_copy_Kt,
+              smem_thr_copy_dS, smem_thr_copy_Kt);
+    }
     accumulate_dq<Traits>(params, binfo, flags, acc_dq, tidx, bidb, bidh, m_block, dq_slice);
   }
 

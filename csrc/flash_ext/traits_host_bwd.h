@@ -30,6 +30,11 @@ struct HostBwdTraits : HostTraits<kHeadDim_, kBlockM_, kBlockN_, Element_> {
 
   // One Q buffer: nothing runs asynchronously on the host, so there is nothing to overlap.
   static constexpr bool kDoubleBufferQ = false;
+  // One thread has room for the K, V and K^T operand fragments of the whole walk (they do not change from one
+  // query tile to the next): loaded once instead of copied element by element for every S, dP and dQ.  And
+  // the dS accumulator is already dQ's A operand (the atom's K equals its N), so dQ skips shared memory.
+  static constexpr bool kKVInRegs = true;
+  static constexpr bool kDSFromAcc = true;
 
   using TiledMmaSdP = typename Base::TiledMma;
   using TiledMmadKV = typename Base::TiledMma;
