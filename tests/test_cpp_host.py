@@ -28,8 +28,8 @@ def cpp_build() -> pathlib.Path:
     return BUILD
 
 
-@pytest.mark.parametrize("name", ["test_traits", "test_host_kernel", "test_dropout", "test_grid", "test_emu",
-                                  "test_emu_ucontext", "test_emu_faults", "test_host_bwd"])
+@pytest.mark.parametrize("name", ["test_traits", "test_traits_bwd", "test_host_kernel", "test_dropout", "test_grid",
+                                  "test_emu", "test_emu_ucontext", "test_emu_faults", "test_host_bwd"])
 def test_ctest(cpp_build: pathlib.Path, name: str) -> None:
     result = subprocess.run(["ctest", "--test-dir", str(cpp_build), "--output-on-failure", "-R", f"^{name}$"],
                             capture_output=True, text=True)
