@@ -32,8 +32,9 @@ __all__ = [
 
 
 def build_info() -> dict:
-    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "host_head_dims": [...],
-    "emulator": bool, "emulator_head_dims": [...]}`` (the warp emulator: ``flash_ext.emulate``)."""
+    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "gpu_bwd_head_dims":
+    [...], "host_head_dims": [...], "emulator": bool, "emulator_head_dims": [...]}`` (``gpu_bwd_head_dims``: the
+    CUDA backward's head dims, FLASH_EXT_BWD_HEADDIMS; the warp emulator: ``flash_ext.emulate``)."""
     return _C.build_info()
 
 

@@ -10,8 +10,8 @@
 #include "flash_ext/dispatch_bwd.h"
 #include "flash_ext/launch_sm80_bwd.cuh"
 
-#ifndef FLASH_EXT_GPU_HEADDIMS_MASK
-#error "the build defines FLASH_EXT_GPU_HEADDIMS_MASK: bit i set when kGpuHeadDims[i] was compiled"
+#ifndef FLASH_EXT_GPU_BWD_HEADDIMS_MASK
+#error "the build defines FLASH_EXT_GPU_BWD_HEADDIMS_MASK: bit i set when the backward of kGpuHeadDims[i] was compiled"
 #endif
 
 namespace flash_ext {
@@ -33,7 +33,8 @@ namespace {
 
 constexpr int kNumGpuHeadDims = int(sizeof(kGpuHeadDims) / sizeof(kGpuHeadDims[0]));
 
-constexpr bool head_dim_built(int i) { return ((FLASH_EXT_GPU_HEADDIMS_MASK) >> i) & 1; }
+// The backward's own subset (FLASH_EXT_BWD_HEADDIMS, setup.py), independent of the forward's.
+constexpr bool head_dim_built(int i) { return ((FLASH_EXT_GPU_BWD_HEADDIMS_MASK) >> i) & 1; }
 
 constexpr bool head_dim_compiled(int hd) {
   for (int i = 0; i < kNumGpuHeadDims; ++i) {
@@ -131,8 +132,8 @@ CudaBwdPlan plan_bwd_cuda(BwdParams const& params, DType dtype, int cc_major, in
   }
   int const hd = built_head_dim_for(params.d);
   if (hd < 0) {
-    plan.why = "no GPU kernel for head dim " + std::to_string(params.d) + " in this build; rebuild with "
-               "FLASH_EXT_HEADDIMS including a head dim >= " + std::to_string(params.d);
+    plan.why = "no GPU backward kernel for head dim " + std::to_string(params.d) + " in this build; rebuild with "
+               "FLASH_EXT_BWD_HEADDIMS including a head dim >= " + std::to_string(params.d);
     return plan;
   }
   BwdTileConfig const tile = sm80_bwd_tile_config(hd);

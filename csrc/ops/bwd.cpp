@@ -70,6 +70,30 @@ void refuse_dropout(double dropout_p, char const* op) {
                               "the forward's dropout mask (only dropout_p=0.0 is supported)");
 }
 
+#if defined(FLASH_EXT_WITH_CUDA)
+constexpr int kGpuBwdHeadDimsMask = FLASH_EXT_GPU_BWD_HEADDIMS_MASK;
+#else
+constexpr int kGpuBwdHeadDimsMask = 0;
+#endif
+
+// A CUDA build may compile the backward for fewer head dims than the forward (FLASH_EXT_BWD_HEADDIMS): such
+// a head dim is refused here, with the forward's head-dim checks, before anything is written.
+void check_bwd_head_dim(ArgChecker& c, at::Tensor const& q) {
+  if (!q.is_cuda() || q.dim() < 1) { return; }
+  int64_t const d = q.size(-1), padded = (d + 7) / 8 * 8;
+  std::string built;
+  bool found = false;
+  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
+    if (!((kGpuBwdHeadDimsMask >> i) & 1)) { continue; }
+    built += (built.empty() ? "" : ", ") + std::to_string(kGpuHeadDims[i]);
+    found = found || padded <= kGpuHeadDims[i];
+  }
+  c.require(found || d > 256, "head_dim", std::to_string(d),
+            "no GPU backward kernel for it in this build (compiled backward head dims: " +
+                (built.empty() ? std::string("none") : built) +
+                "); rebuild with FLASH_EXT_BWD_HEADDIMS including a head dim >= " + std::to_string(d));
+}
+
 // The caller's gradient buffer, or (CUDA rows not 16-byte aligned) an aligned stand-in copied back after.
 struct GradBuffer {
   at::Tensor& user;
@@ -170,6 +194,7 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
                 window_right, softcap, alibi_slopes, /*num_splits=*/1);
   check_dropout(c, dropout_p);
+  check_bwd_head_dim(c, q);
   if (shapes_ok) {
     check_lengths(c, q.size(1), k.size(1), "q.shape[1]/k.shape[1]");
     check_bwd_tensors(c, dout, q, k, out, softmax_lse, dq, dk, dv, {q.size(0), q.size(2), q.size(1)});
@@ -227,6 +252,7 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
                 /*num_splits=*/1);
   check_dropout(c, dropout_p);
+  check_bwd_head_dim(c, q);
   if (shapes_ok) {
     check_bwd_tensors(c, dout, q, k, out, softmax_lse, dq, dk, dv, {q.size(1), q.size(0)});
     check_dlse(c, dsoftmax_lse, softmax_lse);
