@@ -136,6 +136,13 @@ CudaBwdPlan plan_bwd_cuda(BwdParams const& params, DType dtype, int cc_major, in
                "FLASH_EXT_BWD_HEADDIMS including a head dim >= " + std::to_string(params.d);
     return plan;
   }
+  // The grid is (K/V tiles or dQ columns, batch, K/V heads): gridDim.y and gridDim.z hold at most 65,535.
+  if (params.b > 65535 || params.h_k > 65535) {
+    plan.why = "the CUDA backward launches one grid row per sequence and per K/V head (at most 65,535 each); got " +
+               std::to_string(params.b) + " sequences and " + std::to_string(params.h_k) +
+               " K/V heads: split the batch into calls of at most 65,535 sequences";
+    return plan;
+  }
   BwdTileConfig const tile = sm80_bwd_tile_config(hd);
   plan.head_dim = hd;
   plan.block_m = tile.block_m;
