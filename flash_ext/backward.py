@@ -90,7 +90,9 @@ def flash_attn_backward(
     place (shapes and dtypes of q/k/v, last dimension contiguous) and returned; missing ones are allocated.
     With grouped heads dk/dv are summed over the query heads of each K/V head.  Rows that see no key get zero
     gradients.  ``deterministic=True``: bitwise reproducible dq on the GPU (fixed accumulation order); the CPU
-    is always deterministic.  ``dropout_p`` must be 0 (dropout is not implemented yet).
+    is always deterministic.  With ``dropout_p > 0``, ``rng_state`` is required: the forward's ``(seed, offset)``
+    (the third output of ``torch.ops.flash_ext.fwd``, or the ``rng_state`` that forward was given), from which
+    the backward regenerates the forward's dropout mask (same ``dropout_p`` as the forward).
     """
     given = (dq, dk, dv)
     dout, q, k, v, out, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale, window_size, rank=4)

@@ -207,6 +207,8 @@ def attention_grad_ref(
     alibi_slopes: Optional[torch.Tensor] = None,
     upcast: bool = True,
     dlse: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``attention_ref``'s ``out`` for the upstream gradient ``dout`` (and of its
     ``lse`` for ``dlse``, ``(batch, nheads, seqlen_q)``, when given), by autograd through ``attention_ref``
@@ -217,13 +219,15 @@ def attention_grad_ref(
     dtype: the backward matmuls of ``q @ k^T`` and ``P @ v`` run in the input dtype (so dS and P are rounded to
     it), the softmax backward in float32.  Returned in the input dtype.  Masked scores and rows that see no key
     contribute exactly zero.  ``dout`` has ``out``'s shape; GQA/MQA gradients of k/v are summed over the query
-    heads of each group (autograd of the head repetition).
+    heads of each group (autograd of the head repetition).  ``dropout_p``/``dropout_mask``: as in
+    ``attention_ref`` (the mask is a given constant, e.g. from the ``dropout_mask`` op).
     """
     dtype = torch.float64 if upcast else q.dtype
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     slopes = None if alibi_slopes is None else alibi_slopes.detach()
     out, lse = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                             softcap=softcap, alibi_slopes=slopes, upcast=upcast)
+                             softcap=softcap, alibi_slopes=slopes, upcast=upcast, dropout_p=dropout_p,
+                             dropout_mask=dropout_mask)
     outputs, grads = [out], [dout.detach().to(out.dtype)]
     if dlse is not None:
         outputs.append(lse)

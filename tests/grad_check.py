@@ -33,14 +33,15 @@ def check_grads(grads: Sequence[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                 dout: torch.Tensor, *, softmax_scale: Optional[float] = None, causal: bool = False,
                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                 alibi_slopes: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None,
-                context: str = "") -> dict:
+                dropout_p: float = 0.0, dropout_mask: Optional[torch.Tensor] = None, context: str = "") -> dict:
     """Asserts the rule above for kernel gradients ``grads = (dq, dk, dv)`` of fixed-length inputs
     ``q (b, sq, h, d)``, ``k``/``v (b, sk, hk, d)`` and upstream gradient ``dout`` (and ``dlse`` of the LSE,
-    when the loss also depends on it).  Returns the errors."""
+    when the loss also depends on it; ``dropout_mask`` (b, h, sq, sk) with ``dropout_p``, the forward's keep
+    mask).  Returns the errors."""
     dtype = q.dtype
     q, k, v, dout = _cpu(q), _cpu(k), _cpu(v), _cpu(dout)
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-              alibi_slopes=_cpu(alibi_slopes), dlse=_cpu(dlse))
+              alibi_slopes=_cpu(alibi_slopes), dlse=_cpu(dlse), dropout_p=dropout_p, dropout_mask=_cpu(dropout_mask))
     ref64 = attention_grad_ref(q, k, v, dout, upcast=True, **kw)
     ref_pt = attention_grad_ref(q, k, v, dout, upcast=False, **kw)
     sq, sk = q.shape[1], k.shape[1]

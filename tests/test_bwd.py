@@ -521,13 +521,6 @@ def test_alibi_slopes_requiring_grad_are_refused():
         flash_attn_func(q, k, v, alibi_slopes=slopes).float().sum().backward()
 
 
-def test_dropout_backward_not_implemented():
-    q, k, v = make_qkv(1, 8, 8, 2, 2, 32, torch.float16)
-    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, dropout_p=0.1)
-
-
 def test_kvcache_is_forward_only():
     """A backward through flash_attn_with_kvcache is an error, not a silently missing gradient; without grad
     the function is unaffected."""

@@ -66,7 +66,7 @@ def test_opcheck_varlen_bwd(device):
     device = require_device(device)
     _skip_missing_head_dim(device, 64)
     q, k, v, cu_q, cu_k, used = _varlen(device, False)
-    out, lse = torch.ops.flash_ext.varlen_fwd(q, k, v, cu_q, cu_k, used, 33, 40, 0.125, True, -1, -1, 8.0, None)
+    out, lse, _ = torch.ops.flash_ext.varlen_fwd(q, k, v, cu_q, cu_k, used, 33, 40, 0.125, True, -1, -1, 8.0, None)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     torch.library.opcheck(torch.ops.flash_ext.varlen_bwd.default,
                           (torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 33, 40, 0.0, 0.125, True,

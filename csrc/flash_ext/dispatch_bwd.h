@@ -57,12 +57,17 @@ static_assert(bwd_tile_configs_fit(), "every backward tile config fits sm_86/sm_
 // ---------------------------------------------------------------------------------------------------
 // Static flag combinations compiled into each backward (head dim, dtype, causal) file.  The backward kernels
 // are the library's largest, so the list is the shortest that keeps the common training case free of runtime
-// branches: a fully static kernel for tile-multiple lengths without extras, and one general kernel.
-// (Varlen training runs the general kernel: every sequence has its own length.)
+// branches: a fully static kernel for tile-multiple lengths without extras, one general kernel, and (as in the
+// forward) one dropout kernel with every other feature at runtime, so that the kernels without dropout carry
+// no random-number code.  (Varlen training runs the general or the dropout kernel: every sequence has its own
+// length.)
 inline constexpr Variant kBwdVariants[] = {
-    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse},
-    {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
      FlagMode::kFalse},
+    {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kFalse, FlagMode::kFalse},
+    {"dropout", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kFalse, FlagMode::kTrue},
 };
 inline constexpr int kNumBwdVariants = int(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 
@@ -76,17 +81,23 @@ constexpr int select_bwd_variant(bool causal, ProblemFlags p) {
   return -1;
 }
 
-static_assert(select_bwd_variant(false, {true, true, false, false, false, false}) == 0);
-static_assert(select_bwd_variant(true, {true, true, false, false, false, true}) == 0, "split never matters");
-static_assert(select_bwd_variant(true, {false, true, false, false, false, false}) == 1);
-static_assert(select_bwd_variant(false, {true, true, true, true, true, false}) == 1);
-static_assert(select_bwd_variant(true, {true, true, true, false, false, false}) == -1, "causal files have no local branch");
+//                                        even_mn even_k local  alibi  softcap split  dropout
+static_assert(select_bwd_variant(false, {true, true, false, false, false, false, false}) == 0);
+static_assert(select_bwd_variant(true, {true, true, false, false, false, true, false}) == 0, "split never matters");
+static_assert(select_bwd_variant(true, {false, true, false, false, false, false, false}) == 1);
+static_assert(select_bwd_variant(false, {true, true, true, true, true, false, false}) == 1);
+static_assert(select_bwd_variant(false, {true, true, false, false, false, false, true}) == 2, "dropout has its own kernel");
+static_assert(select_bwd_variant(false, {false, false, true, true, true, false, true}) == 2 &&
+                  select_bwd_variant(true, {false, false, false, true, true, false, true}) == 2,
+              "every feature combination has a dropout kernel");
+static_assert(select_bwd_variant(true, {true, true, true, false, false, false, false}) == -1,
+              "causal files have no local branch");
 
 template <int kVariant, bool kCausal>
 using BwdVariantFlags = KernelFlags<FlagType<kBwdVariants[kVariant].even_mn>, FlagType<kBwdVariants[kVariant].even_k>,
                                     cute::C<kCausal>, FlagType<local_mode(kBwdVariants[kVariant], kCausal)>,
                                     FlagType<kBwdVariants[kVariant].alibi>, FlagType<kBwdVariants[kVariant].softcap>,
-                                    FlagType<kBwdVariants[kVariant].split>>;
+                                    FlagType<kBwdVariants[kVariant].split>, FlagType<kBwdVariants[kVariant].dropout>>;
 
 // ---------------------------------------------------------------------------------------------------
 // Grid.  One CTA per (K/V tile, batch, K/V head), walking the query heads of its group, adds into one shared dQ

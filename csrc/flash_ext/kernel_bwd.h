@@ -5,8 +5,8 @@
 // The math, per query tile i that sees K/V tile j (scores in the kernel's domain x, see params.h):
 //   S  = Q K^T,  x = softcap ? tanh(S * softmax_scale / softcap) : S,  then ALiBi and the mask (mask.h)
 //   P  = exp(x * score_scale - LSE)              the forward's probabilities, recomputed from its LSE
-//   dV += P^T dO
-//   dP = dO V^T
+//   dV += (P o keep)^T dO / (1 - p)              keep: the forward's dropout mask (dropout.h), else all ones
+//   dP = (dO V^T) o keep / (1 - p)
 //   dS = P * (dP - D) * (softcap ? 1 - tanh^2 : 1)   D = rowsum(dO * O) (bwd_preprocess.h); unscaled
 //   dK += dS^T Q                                 scaled by softmax_scale once, in the epilogue
 //   dQ += dS K                                   fp32 accumulators, scaled in the postprocess
@@ -27,6 +27,7 @@
 #include "block_info.h"
 #include "copy.h"
 #include "dispatch.h"
+#include "dropout.h"
 #include "epilogue_bwd.h"
 #include "flags.h"
 #include "gemm.h"
@@ -48,6 +49,7 @@ CUTE_HOST_DEVICE Flags bwd_flags_from_params(BwdParams const& p) {
   f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
   f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
   f.split = make_flag<decltype(f.split)>(false);
+  f.dropout = make_flag<decltype(f.dropout)>(pf.dropout);
   return f;
 }
 
@@ -195,9 +197,12 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
   };
 
   // (row, col) of every score this thread holds, and one LSE and one D per row it holds.
-  Tensor tScS = acc_rowcol<Traits::kAccValCols>(
-      thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));  // (ROWS,COLS) -> (m,n)
+  Tensor tScS_acc = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (MMA,MMA_M,MMA_N) -> (m,n)
+  Tensor tScS = acc_rowcol<Traits::kAccValCols>(tScS_acc);                                // (ROWS,COLS) -> (m,n)
   constexpr int kNRows = decltype(size<0>(tScS))::value;
+  // Dropout: the forward's mask, regenerated from the same (seed, offset) and coordinates (dropout.h).
+  using AccSLayout = decltype(partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
+  PhiloxSeedOffset const seed_offset = flags.dropout ? dropout_seed_offset(params) : PhiloxSeedOffset{0, 0};
 
   // The walk: for each query head of the group, the query tiles [m_min, m_max) in order.  One flat loop, so
   // that the prefetch of the next Q/dO tile crosses head boundaries like any other step.
@@ -272,6 +277,14 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
       dsum(i) = in ? params.softmax_d_ptr[row_stats + r] : 0.f;
     }
 
+    // This tile's keep bits (the forward's mask of query head bidh), generated before the GEMMs: they depend
+    // only on coordinates, so the integer work overlaps the tensor cores.
+    DropoutBits<Traits, AccSLayout> keep;
+    if (flags.dropout) {
+      DropoutRng const rng = DropoutRng::make(seed_offset, bidb, bidh, params.h, params.dropout_threshold);
+      keep = dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN);
+    }
+
     // dP = dO V^T, then S = Q K^T (dP first: the softcap derivative is folded into it while S is at hand).
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
     clear(acc_dp);
@@ -288,6 +301,13 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     Tensor dp = acc_rowcol<Traits::kAccValCols>(acc_dp);                                     // (ROWS,COLS)
+
+    // Dropout: out = (P o keep) V / (1 - p), so the gradient reaching P is dO V^T o keep / (1 - p).
+    if (flags.dropout) {
+      apply_dropout_bits<Traits>(acc_dp, keep);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) *= params.dropout_scale; }
+    }
 
     // dp <- (dP - D) * d(score)/d(x): with softcap the score is softcap * tanh(S * scale / softcap), whose
     // derivative w.r.t. S * scale is 1 - tanh^2.  ALiBi is additive (derivative 1) and applied afterwards.
@@ -320,13 +340,12 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
         scores(i, j) = Traits::exp2(scores(i, j) * params.score_scale_log2 - lse_log2(i));
       }
     }
-    // (The dropout mask, when it exists, is regenerated here: P for dV is the dropped, rescaled P, and dS uses
-    // it as well.)
-    store_pds<Traits>(acc_s, smem_tiled_copy_PdS, smem_thr_copy_PdS, tPsP);
-
-    // dS = P * dp, in place in the dP accumulator.
+    // dS = P * dp, in place in the dP accumulator (P undropped: the softmax saw every score).
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) *= acc_s(i); }
+    // dV's operand is the dropped P (the 1 / (1 - p) is applied to dV once, in the epilogue).
+    if (flags.dropout) { apply_dropout_bits<Traits>(acc_s, keep); }
+    store_pds<Traits>(acc_s, smem_tiled_copy_PdS, smem_thr_copy_PdS, tPsP);
     store_pds<Traits>(acc_dp, smem_tiled_copy_PdS, smem_thr_copy_PdS, tdSsdS);
 
     // sP and sdS were written in the S accumulator's thread layout and are read in the dK/dV and dQ MMAs'.
@@ -360,6 +379,10 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     accumulate_dq<Traits>(params, binfo, flags, acc_dq, tidx, bidb, bidh, m_block, dq_slice);
   }
 
+  if (flags.dropout) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) { acc_dv(i) *= params.dropout_scale; }
+  }
   write_dk_dv<Traits>(params, binfo, flags, acc_dk, acc_dv, sK.data().get(), sV.data().get(), tidx, bidb, bidh_kv, n_block);
 }
 

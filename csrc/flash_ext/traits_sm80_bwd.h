@@ -11,6 +11,7 @@
 // its rows: kAtomM* warps along the rows, the rest along the columns.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -130,6 +131,29 @@ struct Sm80BwdTraits : Arch_ {
 
   // One accumulator fragment of the m16n8 atom holds 2 columns x 2 rows per thread.
   static constexpr int kAccValCols = 2;
+
+  // ((2 cols, 2 rows), MMA_M, MMA_N) accumulator -> ((2, 2, 2), MMA_M, MMA_N / 2): neighbouring n8 tiles
+  // (2a, 2a + 1) side by side.  With the column permutation of WarpTiledMma they are columns c and c + 8 of
+  // one warp's 16-column step, as in the forward's S accumulator.
+  template <class Layout>
+  CUTE_HOST_DEVICE static constexpr auto acc_to_a_layout(Layout acc) {
+    static_assert(decltype(cute::rank(acc))::value == 3);
+    static_assert(decltype(cute::size<0>(acc))::value == 4);
+    static_assert(decltype(cute::size<2>(acc))::value % 2 == 0);
+    auto l = cute::logical_divide(acc, cute::Shape<cute::Underscore, cute::Underscore, cute::_2>{});
+    return cute::make_layout(cute::make_layout(cute::get<0>(l), cute::get<2, 0>(l)), cute::get<1>(l),
+                             cute::get<2, 1>(l));
+  }
+
+  // Dropout groups (dropout.h) of the S accumulator, as in Sm80Traits: rows {R, R + 8} x columns {c, c + 1} of
+  // an atom plus columns {c + 8, c + 9} of its neighbour are one group of the contract, in slot order.
+  // tests/cpp/test_dropout.cpp checks this view for every thread of every backward tile config.
+  using DropoutWord = uint32_t;
+  template <class Layout>
+  CUTE_HOST_DEVICE static constexpr auto dropout_groups(Layout acc) {
+    auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)
+    return cute::make_layout(cute::get<0>(a), cute::make_layout(cute::get<1>(a), cute::get<2>(a)));
+  }
 };
 
 }  // namespace flash_ext

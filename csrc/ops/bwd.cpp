@@ -16,6 +16,7 @@
 #endif
 
 #include "common.h"
+#include "dropout.h"
 #include "flash_ext/bwd_api.h"
 #include "index_values.h"
 
@@ -59,15 +60,14 @@ void check_dlse(ArgChecker& c, std::optional<at::Tensor> const& dlse, at::Tensor
             "must be float32 with softmax_lse's shape " + str(lse.sizes()) + " and device");
 }
 
-// Dropout's backward needs the forward's mask (rng_state); until dropout exists, a positive rate is refused
-// rather than given a gradient without the mask.
-void check_dropout(ArgChecker& c, double dropout_p) {
-  c.require(dropout_p >= 0 && dropout_p < 1, "dropout_p", std::to_string(dropout_p), "must be in [0, 1)");
-}
-void refuse_dropout(double dropout_p, char const* op) {
-  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0, op, ": dropout_p=", dropout_p,
-                              ": dropout is not implemented yet; its backward is refused rather than computed without "
-                              "the forward's dropout mask (only dropout_p=0.0 is supported)");
+// Dropout's backward regenerates the forward's mask from the (seed, offset) the forward returned as rng_state
+// (flash_attn's contract): with dropout_p > 0 it is required, since any other mask gives a wrong gradient.
+void check_bwd_dropout(ArgChecker& c, at::Tensor const& q, double dropout_p,
+                       std::optional<at::Tensor> const& rng_state) {
+  check_dropout(c, q.device(), dropout_p, rng_state);
+  c.require(!(dropout_p > 0) || rng_state.has_value(), "rng_state", "None",
+            "is required with dropout_p > 0: the forward's rng_state (seed, offset), from which the backward "
+            "regenerates its dropout mask");
 }
 
 #if defined(FLASH_EXT_WITH_CUDA)
@@ -111,8 +111,9 @@ struct GradBuffer {
 at::Tensor launch_bwd(BwdParams& p, at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
                       at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse, at::Tensor& dq, at::Tensor& dk,
                       at::Tensor& dv, std::optional<at::Tensor> const& alibi_slopes, bool deterministic,
-                      std::optional<at::Tensor> const& dlse, int64_t accum_rows, std::vector<int64_t> const& d_shape,
-                      bool zero_grads, char const* op) {
+                      std::optional<at::Tensor> const& dlse, double dropout_p,
+                      std::optional<at::Tensor> const& rng_state, int64_t accum_rows,
+                      std::vector<int64_t> const& d_shape, bool zero_grads, char const* op) {
   bool const sm80 = q.is_cuda();  // the backward has no emulated path yet: CPU tensors run the host backend
   at::Tensor const in_q = aligned_for_kernel(q, sm80), in_k = aligned_for_kernel(k, sm80);
   at::Tensor const in_v = aligned_for_kernel(v, sm80), in_do = aligned_for_kernel(dout, sm80);
@@ -140,13 +141,17 @@ at::Tensor launch_bwd(BwdParams& p, at::Tensor const& dout, at::Tensor const& q,
   p.deterministic = deterministic;
   p.accum_rows = int(accum_rows);
   p.dsoftmax_lse_ptr = in_dlse.has_value() ? in_dlse->data_ptr<float>() : nullptr;
+  // Dropout: the forward's rules (threshold, 1 / (1 - p)) and its (seed, offset), read by the kernel from
+  // rng_state.  The backward reports no rng_state of its own.
+  DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);
+  p.rng_state_out = nullptr;
 
   DeviceInfo const dev = device_info(q.device());
   DType const dtype = to_dtype(q.scalar_type());
   if (dev.cuda) {
 #if defined(FLASH_EXT_WITH_CUDA)
     CudaBwdPlan const plan = plan_bwd_cuda(p, dtype, dev.cc_major, dev.cc_minor, dev.smem_per_block_optin, dev.processors);
-    TORCH_CHECK(plan.ok, op, " (CUDA): ", plan.why);
+    TORCH_CHECK_VALUE(plan.ok, op, " (CUDA): ", plan.why);  // before anything is written
     p.dq_accum_splits = plan.dq_splits;
 #endif
   } else {
@@ -193,7 +198,7 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
                 window_right, softcap, alibi_slopes, /*num_splits=*/1);
-  check_dropout(c, dropout_p);
+  check_bwd_dropout(c, q, dropout_p, rng_state);
   check_bwd_head_dim(c, q);
   if (shapes_ok) {
     check_lengths(c, q.size(1), k.size(1), "q.shape[1]/k.shape[1]");
@@ -203,7 +208,6 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
               "batch x seqlen_q must be < 2^31 (the dQ accumulators are addressed with 32-bit rows)");
   }
   c.raise_if_any();
-  refuse_dropout(dropout_p, "flash_ext.bwd");
 
   int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), sk = k.size(1);
   if (q.numel() == 0 || k.numel() == 0) {  // no query or no key: nothing flows; D is still computed
@@ -218,7 +222,8 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
   p.seqlen_q = int(sq);
   p.seqlen_k = int(sk);
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
-  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse, b * sq,
+  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse, dropout_p,
+                    rng_state, b * sq,
                     {b, h, sq}, /*zero_grads=*/false, "flash_ext.bwd");
 }
 
@@ -251,7 +256,7 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   check_lengths(c, max_seqlen_q, max_seqlen_k, "max_seqlen_q/max_seqlen_k");
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
                 /*num_splits=*/1);
-  check_dropout(c, dropout_p);
+  check_bwd_dropout(c, q, dropout_p, rng_state);
   check_bwd_head_dim(c, q);
   if (shapes_ok) {
     check_bwd_tensors(c, dout, q, k, out, softmax_lse, dq, dk, dv, {q.size(1), q.size(0)});
@@ -285,7 +290,6 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
     zero_grads = !all_keys_used;
   }
   c.raise_if_any();
-  refuse_dropout(dropout_p, "flash_ext.varlen_bwd");
 
   int64_t const total_q = q.size(0), h = q.size(1);
   if (b == 0 || max_seqlen_q == 0 || max_seqlen_k == 0 || q.numel() == 0 || k.numel() == 0) {
@@ -307,7 +311,8 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   p.cu_seqlens_k = cu_k.data_ptr<int>();
   p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
-  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse, total_q,
+  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse, dropout_p,
+                    rng_state, total_q,
                     {h, total_q}, zero_grads, "flash_ext.varlen_bwd");
 }
 
