@@ -18,6 +18,7 @@
 #include "common.h"
 #include "dropout.h"
 #include "flash_ext/bwd_api.h"
+#include "flash_ext/dispatch.h"
 #include "index_values.h"
 
 namespace flash_ext::ops {
