@@ -114,11 +114,17 @@ def backward_case(device: str, b, sq, sk, h, hk, d, kw, deterministic: bool = Fa
     q, k, v = (torch.randn(b, s, n, d, device=device, dtype=torch.bfloat16).requires_grad_()
                for s, n in ((sq, h), (sk, hk), (sk, hk)))
     dout = torch.randn(b, sq, h, d, device=device, dtype=torch.bfloat16)
-    flash_ext.flash_attn_func(q, k, v, deterministic=deterministic, **kw).backward(dout)
+    ref_kw = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items()}
+    if kw.get("dropout_p", 0) > 0:  # the dropout backward: the reference gets the mask recovered from S_dmask
+        out, _, s_dmask = flash_ext.flash_attn_func(q, k, v, deterministic=deterministic, return_attn_probs=True,
+                                                    **kw)
+        ref_kw["dropout_mask"] = (s_dmask.detach() >= 0).cpu()
+    else:
+        out = flash_ext.flash_attn_func(q, k, v, deterministic=deterministic, **kw)
+    out.backward(dout)
     if device == "cuda":
         torch.cuda.synchronize()
-    ref = attention_grad_ref(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), dout.cpu(),
-                             **{n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items()})
+    ref = attention_grad_ref(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), dout.cpu(), **ref_kw)
     err = 0.0
     for g, r in zip((q.grad, k.grad, v.grad), ref):
         if g.isnan().any().item():
@@ -152,9 +158,10 @@ def main() -> int:
         print(f"{'ok  ' if ok else 'FAIL'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {kw}: max err {err:.2e}")
     # The dropout kernel is a variant of its own (the others contain no RNG code): racecheck sees it too.
     extra = [("dropout, split-KV, mask kernel", dropout_case)]
-    # The backward: even and general variants, GQA group loop, causal, empty query rows and key tiles, atomic
-    # and deterministic dQ.
-    bwd_cases = [(1, 128, 128, 2, 2, 64, {}, False), (1, 77, 131, 4, 2, 40, {"causal": True}, True)]
+    # The backward: even, general and dropout variants, GQA group loop, causal, empty query rows and key tiles,
+    # atomic and deterministic dQ.
+    bwd_cases = [(1, 128, 128, 2, 2, 64, {}, False), (1, 77, 131, 4, 2, 40, {"causal": True}, True),
+                 (1, 90, 110, 4, 2, 64, {"causal": True, "dropout_p": 0.3}, False)]
     if not args.quick:
         bwd_cases += [(1, 300, 100, 2, 1, 128, {"causal": True}, False),
                       (1, 100, 300, 2, 2, 96, {"window_size": (17, 5), "softcap": 5.0}, False),
