@@ -3,6 +3,9 @@
 Knobs (environment variables):
   FLASH_EXT_CUDA_ARCHS      CUDA archs to compile, ";"-separated (default "80;90").
   FLASH_EXT_HEADDIMS        GPU head dims to instantiate, ","-separated subset of 32,64,96,128,192,256 (default all).
+  FLASH_EXT_BWD_HEADDIMS    GPU head dims of the backward kernels, same form (default: FLASH_EXT_HEADDIMS; "none":
+                            no CUDA backward, CUDA gradients are then refused by name).  The backward kernels are
+                            the largest of the library (see docs/kernels.md for their compile times).
   FLASH_EXT_HOST_HEADDIMS   CPU-backend head dims to instantiate, same form (default all); a problem runs the
                             smallest compiled head dim >= its own, so "256" alone serves every head dim.
   FLASH_EXT_FORCE_CPU_ONLY  "1": build only the CPU backend even when torch and nvcc have CUDA.
@@ -65,10 +68,12 @@ def include_dirs_or_exit() -> list[str]:
         sys.exit(f"flash_ext: {e}")
 
 
-def selected_head_dims(var: str = "FLASH_EXT_HEADDIMS") -> list[int]:
+def selected_head_dims(var: str = "FLASH_EXT_HEADDIMS", default: list[int] | None = None) -> list[int]:
     raw = os.environ.get(var, "")
     if not raw.strip():
-        return list(GPU_HEAD_DIMS)
+        return list(GPU_HEAD_DIMS) if default is None else default
+    if raw.strip().lower() == "none" and var == "FLASH_EXT_BWD_HEADDIMS":
+        return []
     dims = sorted({int(x) for x in raw.replace(";", ",").split(",") if x.strip()})
     bad = [d for d in dims if d not in GPU_HEAD_DIMS]
     if bad:
@@ -126,20 +131,26 @@ def build_extension():
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"], py_limited_api=False)
 
     head_dims = selected_head_dims()
+    bwd_head_dims = selected_head_dims("FLASH_EXT_BWD_HEADDIMS", default=head_dims)
     archs = cuda_archs()
     mask = head_dims_mask(head_dims)
     macros = [f"-DFLASH_EXT_WITH_CUDA", f"-DFLASH_EXT_GPU_HEADDIMS_MASK={mask}",
+              f"-DFLASH_EXT_GPU_BWD_HEADDIMS_MASK={head_dims_mask(bwd_head_dims)}",
               f'-DFLASH_EXT_CUDA_ARCHS_STR="{";".join(archs)}"']
     gen = ROOT / "csrc" / "cuda" / "generated"
-    sources += [ROOT / "csrc" / "cuda" / "fwd_dispatch.cu", ROOT / "csrc" / "cuda" / "dropout_mask.cu"]
-    sources += sorted(p for p in gen.glob("*.cu") if int(p.name.split("_")[1][len("hdim"):]) in head_dims)
+    sources += [ROOT / "csrc" / "cuda" / "fwd_dispatch.cu", ROOT / "csrc" / "cuda" / "dropout_mask.cu",
+                ROOT / "csrc" / "cuda" / "bwd_dispatch.cu"]
+    # fwd_hdim<hd>_... and bwd_hdim<hd>_... instantiations, each kind for its own head-dim subset.
+    kind_dims = {"fwd": head_dims, "bwd": bwd_head_dims}
+    sources += sorted(p for p in gen.glob("*.cu")
+                      if int(p.name.split("_")[1][len("hdim"):]) in kind_dims[p.name.split("_")[0]])
     nvcc = ["-O3", "-std=c++20", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-diag-suppress=177"]
     if os.environ.get("FLASH_EXT_PTXAS_VERBOSE", "0") == "1":
         nvcc.append("-Xptxas=-v")
     nvcc += load_script("cuda_flags").gencode_flags(archs)  # SASS per arch + PTX of the newest (see the script)
-    print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims}, MAX_JOBS {os.environ['MAX_JOBS']}")
+    print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims} (backward {bwd_head_dims}), MAX_JOBS {os.environ['MAX_JOBS']}")
     return cpp_extension.CUDAExtension(
         "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros}, extra_link_args=["-fopenmp"],

@@ -22,9 +22,11 @@ namespace py = pybind11;
 
 #if defined(FLASH_EXT_WITH_CUDA)
 constexpr int kGpuHeadDimsMask = FLASH_EXT_GPU_HEADDIMS_MASK;
+constexpr int kGpuBwdHeadDimsMask = FLASH_EXT_GPU_BWD_HEADDIMS_MASK;
 std::string const kCudaArchs = FLASH_EXT_CUDA_ARCHS_STR;
 #else
 constexpr int kGpuHeadDimsMask = 0;
+constexpr int kGpuBwdHeadDimsMask = 0;
 std::string const kCudaArchs;
 #endif
 
@@ -39,10 +41,10 @@ std::vector<int> emulator_head_dims() {
   return out;
 }
 
-std::vector<int> gpu_head_dims() {
+std::vector<int> gpu_head_dims(int mask = kGpuHeadDimsMask) {
   std::vector<int> out;
   for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
-    if ((kGpuHeadDimsMask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
+    if ((mask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
   }
   return out;
 }
@@ -69,6 +71,7 @@ py::dict build_info() {
   info["cuda"] = kGpuHeadDimsMask != 0 || !kCudaArchs.empty();
   info["cuda_archs"] = kCudaArchs;
   info["gpu_head_dims"] = gpu_head_dims();
+  info["gpu_bwd_head_dims"] = gpu_head_dims(kGpuBwdHeadDimsMask);  // FLASH_EXT_BWD_HEADDIMS
   info["host_head_dims"] = host;
   info["emulator"] = ops::emulator_built();
   info["emulator_head_dims"] = emulator_head_dims();

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _ops  # noqa: F401
+from .backward import flash_attn_backward, flash_attn_varlen_backward
 from .emulate import emulate, emulator_report
 from .explain import Explanation, explain
 from .kvcache import flash_attn_with_kvcache
@@ -25,13 +26,15 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info",
-    "compiled_kernels", "explain", "Explanation", "emulate", "emulator_report",
+    "compiled_kernels", "explain", "Explanation", "emulate", "emulator_report", "flash_attn_backward",
+    "flash_attn_varlen_backward",
 ]
 
 
 def build_info() -> dict:
-    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "host_head_dims": [...],
-    "emulator": bool, "emulator_head_dims": [...]}`` (the warp emulator: ``flash_ext.emulate``)."""
+    """What this build contains: ``{"cuda": bool, "cuda_archs": str, "gpu_head_dims": [...], "gpu_bwd_head_dims":
+    [...], "host_head_dims": [...], "emulator": bool, "emulator_head_dims": [...]}`` (``gpu_bwd_head_dims``: the
+    CUDA backward's head dims, FLASH_EXT_BWD_HEADDIMS; the warp emulator: ``flash_ext.emulate``)."""
     return _C.build_info()
 
 

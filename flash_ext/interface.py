@@ -1,4 +1,6 @@
-"""FA2 2.8-compatible Python API.  Every function ends in one call of ``torch.ops.flash_ext.fwd``."""
+"""FA2 2.8-compatible Python API.  Every attention function ends in one call of ``torch.ops.flash_ext.fwd`` (or
+``varlen_fwd``), whose registered autograd runs ``torch.ops.flash_ext.bwd`` (``varlen_bwd``); the explicit backward
+functions (``flash_attn_backward``, ``flash_attn_varlen_backward``) call those ops directly."""
 from __future__ import annotations
 
 import numbers
@@ -88,8 +90,14 @@ def flash_attn_func(
       from torch's default generator of q's device (``torch.manual_seed`` repeats it bit for bit,
       consecutive calls differ, CUDA graph replays draw anew) and of the element's (batch, head, row,
       column): the same on the CPU and the GPU, whatever the tiling or ``num_splits`` (docs/design.md,
-      "Dropout").  ``dropout_p=0`` gives exactly the result without dropout.  ``deterministic`` is
-      accepted for compatibility: the forward pass is always deterministic.
+      "Dropout").  ``dropout_p=0`` gives exactly the result without dropout.
+    * Differentiable w.r.t. ``q``, ``k`` and ``v`` (the backward kernels, ``torch.ops.flash_ext.bwd``), through
+      ``out`` and through the returned ``softmax_lse`` as well (flash_attn silently drops the latter); not
+      w.r.t. ``alibi_slopes`` (slopes that require grad raise ``NotImplementedError``).  With dropout the
+      backward regenerates the forward's mask from its ``rng_state``.
+      ``deterministic=True`` makes the GPU backward
+      accumulate dQ in a fixed order (bitwise identical gradients run to run, a little slower); on the CPU
+      the backward is always deterministic, for any thread count.  The forward is always deterministic.
     * ``num_splits`` (an addition to flash_attn's signature): split-KV parallelism.  0 picks it with the
       heuristic (splits only when the grid would leave processors idle: few batch x heads x query blocks,
       long seqlen_k), 1 turns it off, n > 1 forces n splits (at most 128).  Results equal the unsplit ones
@@ -106,7 +114,7 @@ def flash_attn_func(
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=4)
     out, lse, rng_state = torch.ops.flash_ext.fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
                                                   int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
-                                                  float(dropout_p))
+                                                  float(dropout_p), None, bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:
@@ -202,7 +210,7 @@ def flash_attn_varlen_func(
     out, lse, rng_state = torch.ops.flash_ext.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
-        block_table, float(dropout_p))
+        block_table, float(dropout_p), None, bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:

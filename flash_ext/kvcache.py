@@ -72,6 +72,20 @@ def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.T
     return errors
 
 
+class _ForwardOnly(torch.autograd.Function):
+    """Identity on the outputs whose backward is an error: flash_attn_with_kvcache has no backward (as in
+    flash_attn), and without this autograd's fallback for the op would warn and drop the gradient."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, lse: torch.Tensor, *inputs: torch.Tensor):
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("flash_ext.flash_attn_with_kvcache is forward-only (as in flash_attn): no gradient flows "
+                           "through it; train with flash_attn_func / flash_attn_varlen_func")
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -157,4 +171,7 @@ def flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
         rotary_len, rotary_rows)
+    differentiable = [t for t in (q, k_cache, v_cache, alibi_slopes) if t is not None and t.requires_grad]
+    if differentiable and torch.is_grad_enabled():
+        out, lse = _ForwardOnly.apply(out.detach(), lse.detach(), *differentiable)
     return (out, lse) if return_softmax_lse else out

@@ -1,4 +1,4 @@
-"""Plain PyTorch reference for ``flash_ext.flash_attn_func`` (forward only).
+"""Plain PyTorch reference for ``flash_ext.flash_attn_func``: the forward, and its gradients by autograd.
 
 This module materialises the full ``(seqlen_q, seqlen_k)`` score matrix and applies every feature of the
 fused kernel in the most direct way, so that it can serve as the ground truth in tests.  It is not meant
@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 from einops import rearrange, repeat
 
-__all__ = ["attention_ref", "visibility_mask", "rotary_ref"]
+__all__ = ["attention_ref", "attention_grad_ref", "visibility_mask", "rotary_ref"]
 
 
 def visibility_mask(
@@ -193,3 +193,44 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
         out = (rot @ pair[..., None])[..., 0]                                  # (..., rd / 2, 2)
         rotated = torch.cat((out[..., 0], out[..., 1]), dim=-1)
     return torch.cat((rotated.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def attention_grad_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    upcast: bool = True,
+    dlse: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of ``attention_ref``'s ``out`` for the upstream gradient ``dout`` (and of its
+    ``lse`` for ``dlse``, ``(batch, nheads, seqlen_q)``, when given), by autograd through ``attention_ref``
+    (every step of it is differentiable PyTorch; no formula is restated here).
+
+    ``upcast=True``: everything in float64, the exact gradient (returned as float64).  ``upcast=False``: the
+    autograd of the same-dtype reference, i.e. what a framework gets when it trains attention in the input
+    dtype: the backward matmuls of ``q @ k^T`` and ``P @ v`` run in the input dtype (so dS and P are rounded to
+    it), the softmax backward in float32.  Returned in the input dtype.  Masked scores and rows that see no key
+    contribute exactly zero.  ``dout`` has ``out``'s shape; GQA/MQA gradients of k/v are summed over the query
+    heads of each group (autograd of the head repetition).  ``dropout_p``/``dropout_mask``: as in
+    ``attention_ref`` (the mask is a given constant, e.g. from the ``dropout_mask`` op).
+    """
+    dtype = torch.float64 if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    slopes = None if alibi_slopes is None else alibi_slopes.detach()
+    out, lse = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                             softcap=softcap, alibi_slopes=slopes, upcast=upcast, dropout_p=dropout_p,
+                             dropout_mask=dropout_mask)
+    outputs, grads = [out], [dout.detach().to(out.dtype)]
+    if dlse is not None:
+        outputs.append(lse)
+        grads.append(dlse.detach().to(lse.dtype))
+    dq, dk, dv = torch.autograd.grad(outputs, leaves, grads)
+    return dq, dk, dv

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (an H200 lent through the device tool, ~8 minutes): builds for sm_90 only the
+# The one prepared GPU run (an H200 lent through the device tool, ~10 minutes): builds for sm_90 only the
 # head dims it needs, reports kernel resources, runs the GPU tests, compute-sanitizer memcheck and racecheck
-# on small cases, then the benchmark against torch SDPA.  Full logs go to $OUT (default ./gpu_out); a
+# on small cases (forward and backward), then the forward and forward+backward benchmarks against torch SDPA.  Full logs go to $OUT (default ./gpu_out); a
 # short table is printed last.  Needs CUTLASS headers: carry them (see docs/perf.md) or set
 # CUTLASS_INCLUDE_DIR.
 set -uo pipefail
@@ -30,18 +30,23 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
 
 FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=${FLASH_EXT_HEADDIMS:-64,128} MAX_JOBS=${MAX_JOBS:-16} \
-  step build 300 $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
+  step build 420 $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
 step kernels 60 $PY scripts/kernel_report.py flash_ext/_C*.so --out "$OUT/kernels.md" --gate
 step tests 180 $PY -m pytest -q -x -m "cuda" tests
 step memcheck 120 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 $PY scripts/sanitizer_cases.py
 step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitizer_cases.py --quick
-step bench 150 $PY -m flash_ext.bench --device cuda --json "$OUT/bench.json"
+step bench 120 $PY -m flash_ext.bench --device cuda --json "$OUT/bench.json"
+step bench_bwd 150 $PY -m flash_ext.bench fwd+bwd --device cuda --backends flash cudnn efficient --no-naive \
+  --seqlens 1024 4096 16384 \
+  --json "$OUT/bench_bwd.json"
 step decode 90 $PY -m flash_ext.bench decode --device cuda --json "$OUT/decode.json"
 step dropout 90 $PY -m flash_ext.bench dropout --device cuda --headdims 64 128 --seqlens 1024 4096 --json "$OUT/dropout.json"
 
 echo
 echo "== summary ($(cat "$OUT/commit.txt"), $(head -2 "$OUT/gpu.txt" | tail -1))"
-for s in build kernels tests memcheck racecheck bench decode dropout; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
+for s in build kernels tests memcheck racecheck bench bench_bwd decode dropout; do printf '%-10s %s
+' "$s" "${status[$s]:-not run}"; done
 grep -E "TFLOP|ratio|FAIL" "$OUT/bench.log" | tail -n 30 || true
+grep -E "TFLOP|ratio|FAIL" "$OUT/bench_bwd.log" | tail -n 30 || true
 tail -n 9 "$OUT/decode.log" || true
 tail -n 12 "$OUT/dropout.log" || true

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Resource usage of every compiled forward kernel, and the no-spill gate.
+"""Resource usage of every compiled forward and backward kernel, and the no-spill gate.
 
 Reads the CUDA binaries embedded in the built extension with ``cuobjdump --dump-resource-usage`` (from the
 CUDA toolkit, or the ``nvidia-cuda-cuobjdump`` pip package), and writes a markdown table (kernel,
 registers, shared memory, stack/local bytes, estimated CTAs per SM).  With ``--gate`` it exits non-zero if
-any forward kernel has a stack frame or local memory: register spills land there.
+any forward or backward kernel (the attention kernels and the backward's pre/postprocess) has a stack frame
+or local memory: register spills land there.
 
     python scripts/kernel_report.py flash_ext/_C*.so --out docs/kernels.md --gate
 """
@@ -52,19 +53,38 @@ NOTES_MARKER = "<!-- notes: kept by scripts/kernel_report.py when it regenerates
 FLAG_NAMES = ("even_mn", "even_k", "causal", "local", "alibi", "softcap", "split", "dropout")
 
 
-def describe(demangled: str) -> dict | None:
-    # Sm80Traits<head dim, M, N, warps, element[, architecture policy]>
-    m = re.search(r"Sm80Traits<(\d+), (\d+), (\d+), (\d+), cutlass::(\w+)(?:, [\w:]+)?>", demangled)
+# Kernels the report covers (mangled-name substrings) and what each is called in the table.
+KERNELS = {"flash_fwd_kernel": "fwd", "flash_bwd_kernel": "bwd", "bwd_preprocess_kernel": "bwd pre",
+           "bwd_postprocess_kernel": "bwd post"}
+
+
+def _flags(demangled: str) -> str:
     f = re.search(r"KernelFlags<(.*)>\s*>\s*\(", demangled)
-    if not m:
-        return None
-    hd, bm, bn, warps, dtype = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5].replace("_t", "")
-    flags = []
-    if f:
-        for name, val in zip(FLAG_NAMES, [x.strip() for x in re.split(r",\s*(?![^<]*>)", f[1])]):
-            flags.append(f"{name}={'T' if 'true' in val else 'F' if 'false' in val else 'rt'}")
-    return {"hd": hd, "bm": bm, "bn": bn, "warps": warps, "dtype": dtype, "flags": " ".join(flags),
-            "smem": (bm + 2 * bn) * hd * 2}
+    if not f:
+        return ""
+    vals = [x.strip() for x in re.split(r",\s*(?![^<]*>)", f[1])]
+    return " ".join(f"{n}={'T' if 'true' in v else 'F' if 'false' in v else 'rt'}"
+                    for n, v in zip(FLAG_NAMES, vals) if n != "split" or "Sm80BwdTraits" not in demangled)
+
+
+def describe(demangled: str) -> dict | None:
+    # Sm80Traits<head dim, M, N, warps, element[, architecture policy]> (likewise Sm80BwdTraits below)
+    m = re.search(r"Sm80Traits<(\d+), (\d+), (\d+), (\d+), cutlass::(\w+)", demangled)
+    if m:
+        hd, bm, bn, warps = int(m[1]), int(m[2]), int(m[3]), int(m[4])
+        return {"kernel": "fwd", "hd": hd, "bm": bm, "bn": bn, "warps": warps, "dtype": m[5].replace("_t", ""),
+                "flags": _flags(demangled), "smem": (bm + 2 * bn) * hd * 2}
+    m = re.search(r"Sm80BwdTraits<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false), cutlass::(\w+)",
+                  demangled)
+    if m:
+        hd, bm, bn, warps, dbl = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[8] == "true"
+        return {"kernel": "bwd", "hd": hd, "bm": bm, "bn": bn, "warps": warps, "dtype": m[9].replace("_t", ""),
+                "flags": _flags(demangled), "smem": ((3 if dbl else 2) * bm * hd + 2 * bn * hd + 2 * bm * bn) * 2}
+    m = re.search(r"(bwd_preprocess_kernel|bwd_postprocess_kernel)<cutlass::(\w+)>", demangled)
+    if m:
+        return {"kernel": KERNELS[m[1]], "hd": 0, "bm": 0, "bn": 0, "warps": 4, "dtype": m[2].replace("_t", ""),
+                "flags": "", "smem": 0}
+    return None
 
 
 def parse(so: str, cuobjdump: str) -> list[dict]:
@@ -76,43 +96,49 @@ def parse(so: str, cuobjdump: str) -> list[dict]:
         if a:
             arch = int(a[1])
         fn = re.match(r"\s*Function (\S+):", line)
-        if fn and "flash_fwd_kernel" in fn[1] and i + 1 < len(lines):
+        if fn and any(k in fn[1] for k in KERNELS) and i + 1 < len(lines):
             usage = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", lines[i + 1]))
             rows.append({"arch": arch, "mangled": fn[1], "reg": int(usage.get("REG", 0)),
                          "stack": int(usage.get("STACK", 0)), "local": int(usage.get("LOCAL", 0))})
     for row, name in zip(rows, demangle([r["mangled"] for r in rows])):
-        row.update(describe(name) or {"hd": 0, "bm": 0, "bn": 0, "warps": 0, "dtype": "?", "flags": name, "smem": 0})
+        row.update(describe(name) or {"kernel": "?", "hd": 0, "bm": 0, "bn": 0, "warps": 0, "dtype": "?",
+                                      "flags": name, "smem": 0})
         regs_per_sm, smem_per_sm = SM_LIMITS.get(row["arch"], SM_LIMITS[80])
         threads = 32 * row["warps"] if row["warps"] else 128
         by_regs = regs_per_sm // max(1, row["reg"] * threads)
-        by_smem = smem_per_sm // max(1, row["smem"])
+        by_smem = smem_per_sm // max(1, row["smem"]) if row["smem"] else 32
         row["ctas"] = min(by_regs, by_smem)
-    return sorted(rows, key=lambda r: (r["arch"], r["hd"], r["dtype"], r["flags"]))
+    order = {"fwd": 0, "bwd": 1, "bwd pre": 2, "bwd post": 3, "?": 4}
+    return sorted(rows, key=lambda r: (order[r["kernel"]], r["arch"], r["hd"], r["dtype"], r["flags"]))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("so", nargs="+", help="built extension(s), e.g. flash_ext/_C*.so")
     ap.add_argument("--out", help="markdown file to write")
-    ap.add_argument("--gate", action="store_true", help="fail if any forward kernel uses stack or local memory")
+    ap.add_argument("--gate", action="store_true", help="fail if any kernel uses stack or local memory")
     args = ap.parse_args()
     cuobjdump = find_cuobjdump()
     rows = [r for so in args.so for r in parse(so, cuobjdump)]
     if not rows:
-        print("kernel_report: no flash_fwd_kernel found (was the extension built with CUDA?)", file=sys.stderr)
+        print("kernel_report: no flash_ext kernel found (was the extension built with CUDA?)", file=sys.stderr)
         return 1
     commit = os.environ.get("FLASH_EXT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    head = ("| arch | head dim | dtype | tile (M x N, warps) | flags | registers | smem (bytes) | "
-            "stack+local (bytes) | est. CTAs/SM |\n|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| kernel | arch | head dim | dtype | tile (M x N, warps) | flags | registers | smem (bytes) | "
+            "stack+local (bytes) | est. CTAs/SM |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    def tile(r: dict) -> str:
+        return f"{r['bm']} x {r['bn']}, {r['warps']}" if r["bm"] else "-"
+
     body = "".join(
-        f"| sm_{r['arch']} | {r['hd']} | {r['dtype']} | {r['bm']} x {r['bn']}, {r['warps']} | {r['flags']} | "
+        f"| {r['kernel']} | sm_{r['arch']} | {r['hd'] or '-'} | {r['dtype']} | {tile(r)} | {r['flags']} | "
         f"{r['reg']} | {r['smem']} | {r['stack'] + r['local']} | {r['ctas']} |\n" for r in rows)
     bad = [r for r in rows if r["stack"] or r["local"]]
-    text = (f"# Compiled forward kernels\n\nGenerated by `scripts/kernel_report.py` from the built extension "
+    text = (f"# Compiled kernels\n\nGenerated by `scripts/kernel_report.py` from the built extension "
             f"(cuobjdump resource usage) on {datetime.date.today()} at commit {commit or 'unknown'}.  "
             f"Register spills would show as stack or local bytes; the CI gate requires 0 for every kernel.  "
-            f"Shared memory is the dynamic amount the launcher requests, (M + 2N) x head dim x 2 bytes.  "
+            f"Shared memory is the dynamic amount the launcher requests: forward (M + 2N) x head dim x 2 bytes, "
+            f"backward (2 or 3 M + 2N) x head dim x 2 + 2 M x N x 2 bytes (dispatch_bwd.h).  "
             f"CTAs/SM is min(65536 / (registers x threads), smem per SM / smem per CTA).\n\n"
             f"{len(rows)} kernels, {len(bad)} with stack or local memory.\n\n" + head + body)
     if args.out:
@@ -126,7 +152,8 @@ def main() -> int:
     print(f"{len(rows)} kernels, {len(bad)} with stack/local memory")
     if args.gate and bad:
         for r in bad:
-            print(f"SPILL: sm_{r['arch']} hd{r['hd']} {r['dtype']} {r['flags']}: stack {r['stack']} local {r['local']}",
+            print(f"SPILL: {r['kernel']} sm_{r['arch']} hd{r['hd']} {r['dtype']} {r['flags']}: stack {r['stack']} "
+                  f"local {r['local']}",
                   file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Small CUDA calls covering every kernel variant and boundary path, for compute-sanitizer.
+"""Small CUDA calls covering every kernel variant and boundary path, forward and backward, for
+compute-sanitizer.
 
 Each case runs once and is checked against the float64 reference so that a sanitizer run also proves the
 results.  ``--quick`` runs a smaller subset (racecheck is slow).
@@ -12,7 +13,7 @@ import sys
 import torch
 
 import flash_ext
-from flash_ext.reference import attention_ref
+from flash_ext.reference import attention_grad_ref, attention_ref
 
 
 def cases(quick: bool):
@@ -107,6 +108,31 @@ def dropout_case(device: str) -> float:
     return err
 
 
+def backward_case(device: str, b, sq, sk, h, hk, d, kw, deterministic: bool = False) -> float:
+    """Forward + backward (preprocess, the main kernel with its atomic or deterministic dQ accumulation,
+    postprocess); returns the largest gradient error relative to the float64 gradient's magnitude."""
+    q, k, v = (torch.randn(b, s, n, d, device=device, dtype=torch.bfloat16).requires_grad_()
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    dout = torch.randn(b, sq, h, d, device=device, dtype=torch.bfloat16)
+    ref_kw = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items()}
+    if kw.get("dropout_p", 0) > 0:  # the dropout backward: the reference gets the mask recovered from S_dmask
+        out, _, s_dmask = flash_ext.flash_attn_func(q, k, v, deterministic=deterministic, return_attn_probs=True,
+                                                    **kw)
+        ref_kw["dropout_mask"] = (s_dmask.detach() >= 0).cpu()
+    else:
+        out = flash_ext.flash_attn_func(q, k, v, deterministic=deterministic, **kw)
+    out.backward(dout)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ref = attention_grad_ref(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), dout.cpu(), **ref_kw)
+    err = 0.0
+    for g, r in zip((q.grad, k.grad, v.grad), ref):
+        if g.isnan().any().item():
+            return float("inf")
+        err = max(err, (g.cpu().double() - r).abs().max().item() / max(r.abs().max().item(), 1e-30))
+    return err
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -132,6 +158,22 @@ def main() -> int:
         print(f"{'ok  ' if ok else 'FAIL'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {kw}: max err {err:.2e}")
     # The dropout kernel is a variant of its own (the others contain no RNG code): racecheck sees it too.
     extra = [("dropout, split-KV, mask kernel", dropout_case)]
+    # The backward: even, general and dropout variants, GQA group loop, causal, empty query rows and key tiles,
+    # atomic and deterministic dQ.
+    bwd_cases = [(1, 128, 128, 2, 2, 64, {}, False), (1, 77, 131, 4, 2, 40, {"causal": True}, True),
+                 (1, 90, 110, 4, 2, 64, {"causal": True, "dropout_p": 0.3}, False)]
+    if not args.quick:
+        bwd_cases += [(1, 300, 100, 2, 1, 128, {"causal": True}, False),
+                      (1, 100, 300, 2, 2, 96, {"window_size": (17, 5), "softcap": 5.0}, False),
+                      (2, 65, 190, 2, 2, 128, {"alibi_slopes": torch.tensor([0.5, 0.25])}, True)]
+    for b, sq, sk, h, hk, d, kw, det in bwd_cases:
+        if "alibi_slopes" in kw:
+            kw = dict(kw, alibi_slopes=kw["alibi_slopes"].to(device))
+        err = backward_case(device, b, sq, sk, h, hk, d, kw, det)
+        ok = err < 3e-2
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} backward b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {kw} deterministic={det}: "
+              f"max rel err {err:.2e}")
     if not args.quick:
         extra = [("paged KV-cache decode, split-KV", kvcache_case), ("varlen", varlen_case)] + extra
     for name, case in extra:

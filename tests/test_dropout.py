@@ -320,16 +320,6 @@ def test_bad_rng_state(device):
         torch.ops.flash_ext.dropout_mask(torch.zeros(2, dtype=torch.int64, device=device), 1.0, 1, 1, 1, 1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_backward_still_not_implemented(device):
-    device = require_device(device)
-    q, k, v = make_qkv(1, 10, 12, 2, 2, 32, torch.float16, device)
-    q.requires_grad_()
-    out = flash_attn_func(q, k, v, dropout_p=0.2)
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # torch.compile, opcheck, CUDA graphs
 

@@ -101,6 +101,29 @@ CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, Window<Flags> const& w,
   return first_col <= 0 ? 0 : first_col / kBlockN;
 }
 
+// The backward's view of the same visibility rule, per K/V tile: the query blocks [m_block_min, m_block_max)
+// that hold at least one row seeing at least one key of tile n_block.  Row i sees key j when j <= diagonal(i) +
+// right and j >= diagonal(i) - left, so the first row that sees the tile's first key is col0 - (seqlen_k -
+// seqlen_q) - right, and the last row that sees its last key is col1 - (seqlen_k - seqlen_q) + left.  The range
+// may be empty (keys left of a local window's reach, or a sequence without queries): dK = dV = 0 there.
+template <int kBlockM, int kBlockN, class Flags>
+CUTE_HOST_DEVICE int m_block_min(BlockInfo const& binfo, Window<Flags> const& w, int n_block) {
+  if (!w.has_right) { return 0; }
+  int const first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q) - w.right;
+  return first_row <= 0 ? 0 : first_row / kBlockM;
+}
+
+template <int kBlockM, int kBlockN, class Flags>
+CUTE_HOST_DEVICE int m_block_max(BlockInfo const& binfo, Window<Flags> const& w, int n_block) {
+  int m_max = ceil_div(binfo.seqlen_q, kBlockM);
+  if (w.has_left) {
+    int const last_col = cute::min((n_block + 1) * kBlockN, binfo.seqlen_k) - 1;
+    int const last_row = last_col - (binfo.seqlen_k - binfo.seqlen_q) + w.left;
+    m_max = cute::min(m_max, last_row < 0 ? 0 : last_row / kBlockM + 1);
+  }
+  return m_max;
+}
+
 // True when every (row, key) of the tile pair is visible, so the mask may be skipped.  Rows past
 // seqlen_q are counted too (conservative: they are never stored).
 template <int kBlockM, int kBlockN, class Flags>

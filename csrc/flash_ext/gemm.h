@@ -57,6 +57,22 @@ CUTE_HOST_DEVICE void gemm_rs(Acc& acc, FragA const& tCrA, FragB& tCrB, SmemB co
   }
 }
 
+// acc += A . B^T with A in shared memory and B already in registers (the host backward's K and V, loaded
+// once per K/V tile).  A's k-slices are copied one ahead of the MMA that consumes them.
+template <class Acc, class FragA, class FragB, class SmemA, class TiledMma, class CopyA, class ThrCopyA>
+CUTE_HOST_DEVICE void gemm_sr(Acc& acc, FragA& tCrA, FragB const& tCrB, SmemA const& tCsA, TiledMma const& tiled_mma,
+                              CopyA const& smem_tiled_copy_A, ThrCopyA const& smem_thr_copy_A) {
+  using namespace cute;
+  Tensor tCrA_view = smem_thr_copy_A.retile_D(tCrA);  // (CPY,CPY_M,CPY_K)
+  CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(tCrA_view));
+  copy(smem_tiled_copy_A, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k < size<2>(tCrA) - 1) { copy(smem_tiled_copy_A, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1)); }
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
 // ((cols, rows), MMA_M, MMA_N) accumulator -> ((rows, MMA_M), (cols, MMA_N)): the (row, column) view that
 // softmax and masking index.  kAccValCols is how many adjacent columns of one row an atom gives a thread.
 template <int kAccValCols, class Layout>

@@ -94,4 +94,36 @@ struct FwdParams {
   int64_t* rng_state_out = nullptr;
 };
 
+// The backward pass reads the forward's problem (q, k, v, o, softmax_lse and every masking/score field of
+// FwdParams, unchanged in meaning) plus dO, and writes dQ, dK, dV.  The KV-cache fields (kv_batch_idx,
+// leftpad_k, block_table) and split-KV (num_splits) are not used by the backward: they stay null / 1.
+struct BwdParams : FwdParams {
+  // dO like O; dQ like Q; dK and dV like K and V ((b, seqlen_k, h_k, d), or (total_k, h_k, d) for varlen).
+  // Same alignment guarantees as FwdParams.
+  void const* __restrict__ do_ptr = nullptr;
+  void* __restrict__ dq_ptr = nullptr;
+  void* __restrict__ dk_ptr = nullptr;
+  void* __restrict__ dv_ptr = nullptr;
+  index_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  index_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  index_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  index_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  // D = rowsum(dO * O) per query row, fp32, laid out like softmax_lse ((b, h, seqlen_q), varlen (h, total_q)).
+  // Written by the preprocess, read by the main kernel.
+  float* __restrict__ softmax_d_ptr = nullptr;
+  // Optional upstream gradient of softmax_lse (laid out like it).  d LSE_i / d score_ij = P_ij, so it enters
+  // only through D: dS = P * (dP - (D - dLSE)).  nullptr: none.
+  float const* __restrict__ dsoftmax_lse_ptr = nullptr;
+
+  // dQ accumulators, fp32 (dq_accum_splits, h, accum_rows, d) with accum_rows as in FwdParams (b * seqlen_q,
+  // or total_q).  The main kernel adds the unscaled dS.K of every K/V tile into slice `dq_slice` of its CTA;
+  // the postprocess sums the slices in slice order, scales by softmax_scale and converts to dQ.  One slice
+  // fed by unordered atomic adds (GPU, deterministic = false), or one slice per fixed group of K/V tiles
+  // with a single writer each (GPU deterministic mode, and always on the CPU): the sum then has one order.
+  float* __restrict__ dq_accum_ptr = nullptr;
+  int dq_accum_splits = 1;
+  bool deterministic = false;
+};
+
 }  // namespace flash_ext

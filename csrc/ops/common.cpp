@@ -33,8 +33,8 @@ namespace flash_ext::ops {
 
 namespace {
 std::atomic<bool> g_poison_outputs{false};
+}  // namespace
 
-// The GPU traits move 16-byte vectors: every row must start on a 16-byte boundary.
 bool aligned16(at::Tensor const& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) { return false; }
   for (int i = 0; i < t.dim() - 1; ++i) {
@@ -51,8 +51,6 @@ at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80) {
   return aligned16(c) ? c : c.clone();
 }
 
-// Tensor layouts into params; q/k/v are 4-D (fixed length) or 3-D (varlen: no batch stride).  Paged k/v are
-// 4-D under a 3-D varlen q: their "batch" stride is the page stride.
 void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
   int const r = int(q.dim()) - 3;   // index of q's row (sequence) dimension
   int const rk = int(k.dim()) - 3;  // and of k's and v's
@@ -68,12 +66,14 @@ void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tens
   p.h_h_k_ratio = p.h / p.h_k;
 }
 
-void set_outputs(FwdParams& p, at::Tensor& out, at::Tensor& lse) {
+void set_outputs(FwdParams& p, at::Tensor const& out, at::Tensor const& lse) {
   int const r = int(out.dim()) - 3;
   p.o_ptr = out.data_ptr();
   p.softmax_lse_ptr = lse.data_ptr<float>();
   p.o_batch_stride = r ? out.stride(0) : 0, p.o_row_stride = out.stride(r), p.o_head_stride = out.stride(r + 1);
 }
+
+namespace {
 
 std::string json_escape(std::string const& x) {
   std::string out;

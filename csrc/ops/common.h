@@ -99,6 +99,17 @@ void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::strin
 void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                    double softcap, std::optional<at::Tensor> const& alibi_slopes);
 
+// The GPU traits move 16-byte vectors: every row must start on a 16-byte boundary.
+bool aligned16(at::Tensor const& t);
+// Inputs of an Sm80 kernel (sm80: CUDA, or the emulated GPU) whose rows are not 16-byte aligned are copied
+// into fresh (aligned) storage; the host backend reads element-wise and uses its inputs as they are.
+at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80);
+// Tensor layouts into params; q/k/v are 4-D (fixed length) or 3-D (varlen: no batch stride).  Paged k/v are
+// 4-D under a 3-D varlen q: their "batch" stride is the page stride.
+void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v);
+// out and softmax_lse layouts (outputs of the forward, inputs of the backward).
+void set_outputs(FwdParams& p, at::Tensor const& out, at::Tensor const& lse);
+
 // Tensors a launch reads, kept alive until it returns: CUDA inputs realigned where needed (copies),
 // contiguous ALiBi slopes.  prepare_inputs also poisons the outputs in test mode and records every layout.
 struct KernelInputs {

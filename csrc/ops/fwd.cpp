@@ -47,14 +47,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
                                                    double softmax_scale, bool causal, int64_t window_left,
                                                    int64_t window_right, double softcap,
                                                    std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits,
-                                                   double dropout_p, std::optional<at::Tensor> const& rng_state) {
+                                                   double dropout_p, std::optional<at::Tensor> const& rng_state,
+                                                   bool /*deterministic: read by the autograd formula only*/) {
   ArgChecker c("flash_ext.fwd");
   check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, dropout_p,
             rng_state);
   c.raise_if_any();
   if (swap_groups(q, k, window_left, alibi_slopes, dropout_p)) {
     auto const [out, lse, rng] = fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, /*causal=*/false, -1, -1,
-                                     softcap, alibi_slopes, num_splits, 0.0, std::nullopt);
+                                     softcap, alibi_slopes, num_splits, 0.0, std::nullopt, false);
     auto const [out_h, lse_h] = rows_as_groups({out, lse});
     return {out_h, lse_h, rng};
   }
@@ -105,8 +106,8 @@ Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, dou
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, Tensor? alibi_slopes, int num_splits=0, float dropout_p=0.0, Tensor? rng_state=None) -> "
-      "(Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      "float softcap, Tensor? alibi_slopes, int num_splits=0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
 }
 

@@ -19,7 +19,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     at::Tensor const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
     std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, std::optional<at::Tensor> const& block_table,
-    double dropout_p, std::optional<at::Tensor> const& rng_state) {
+    double dropout_p, std::optional<at::Tensor> const& rng_state,
+    bool /*deterministic: read by the autograd formula only*/) {
   ArgChecker c("flash_ext.varlen_fwd");
   bool const paged = block_table.has_value();
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true, /*kv_cache=*/false, /*paged_varlen=*/paged);
@@ -128,7 +129,7 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, Tensor? alibi_slopes, int num_splits=0, Tensor? block_table=None, float dropout_p=0.0, "
-      "Tensor? rng_state=None) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
+      "Tensor? rng_state=None, bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
 }
 

@@ -31,6 +31,10 @@ Run ``python -m flash_ext.bench --help`` for every option.  Modes:
     Default grid on the CPU: bf16, batch 1, 8 heads, seqlen 512, 1024, 2048, head_dim 64 and 128, causal
     and not; it contains the headline case (batch 1, 8 heads, seqlen 2048, head_dim 64, non-causal).
 
+``bwd`` and ``fwd+bwd``
+    The training side, same grid, guard and timing as ``fwd``: the backward alone, or forward + backward, of
+    flash_ext, each SDPA backend and naive attention, FLOPs 2.5x / 3.5x the forward's (``bench/bwd.py``).
+
 ``memory``
     Peak *extra* memory of one forward call (beyond its inputs; the output is included) against seqlen,
     for the naive implementation and for flash_ext.
@@ -69,6 +73,7 @@ recorded so that a reader can judge.
 from __future__ import annotations
 
 from .common import attention_flops, check_against_sdpa_math, naive_attention, time_fn
+from .bwd import run_bwd
 from .fwd import FwdConfig, run_fwd
 from .memory import measure_peak_extra_memory, run_memory
 from .decode import run_decode
@@ -83,6 +88,7 @@ __all__ = [
     "time_fn",
     "measure_peak_extra_memory",
     "run_fwd",
+    "run_bwd",
     "run_memory",
     "run_decode",
     "run_dropout",

@@ -11,6 +11,7 @@ import torch
 
 import flash_ext
 from .common import DTYPES, SDPA_BACKENDS, default_device, loadavg, metadata
+from .bwd import run_bwd
 from .decode import run_decode
 from .dropout import run_dropout
 from .fwd import run_fwd
@@ -22,13 +23,15 @@ from .plot import plot
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flash_ext.bench",
-        description="flash_ext benchmarks: forward TFLOP/s against torch SDPA backends and naive attention "
-                    "(fwd), peak extra memory against seqlen (memory), decode-step K/V bandwidth (decode), or "
-                    "the cost of dropout (dropout).  See the module docstring.",
+        description="flash_ext benchmarks: forward, backward or forward+backward TFLOP/s against torch SDPA "
+                    "backends and naive attention (fwd, bwd, fwd+bwd), peak extra memory against seqlen (memory, "
+                    "--backward for a training step), decode-step K/V bandwidth (decode), or the cost of dropout "
+                    "(dropout).  See the module docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "memory", "decode", "dropout"],
-                   help="what to measure (decode: GB/s of K/V read per decode step vs device copy and SDPA; "
-                        "dropout: forward time with dropout / without, same run)")
+    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "bwd", "fwd+bwd", "memory", "decode", "dropout"],
+                   help="what to measure (bwd / fwd+bwd: the backward alone / forward + backward; decode: GB/s of "
+                        "K/V read per decode step vs device copy and SDPA; dropout: forward time with dropout / "
+                        "without, same run)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda if a GPU is visible and the build has CUDA kernels, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -52,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default: CUDA 30, CPU 5)")
     p.add_argument("--quick", action="store_true",
-                   help="fwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal); dropout: d=64, one seqlen")
+                   help="fwd/bwd/fwd+bwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal); dropout: "
+                        "d=64, one seqlen")
+    p.add_argument("--backward", action="store_true",
+                   help="memory: measure forward + backward (autograd of the attention) instead of the forward, "
+                        "with SDPA's default backend as a third column")
     p.add_argument("--no-cross-check", action="store_true",
                    help="memory on CPU: skip the torch.profiler allocation cross-check")
     p.add_argument("--threads", type=int, default=None,
@@ -67,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.causal is None:
-        args.causal = "both" if args.mode in ("fwd", "dropout") else "no"
+        args.causal = "both" if args.mode in ("fwd", "bwd", "fwd+bwd", "dropout") else "no"
     if args.device is None:
         device = default_device()
     else:
@@ -83,7 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and not build.get("cuda", False):
         print("warning: this flash_ext build has no CUDA kernels; flash_ext rows will show ERR", flush=True)
 
-    runners = {"fwd": run_fwd, "memory": run_memory, "decode": run_decode, "dropout": run_dropout}
+    runners = {"fwd": run_fwd, "bwd": run_bwd, "fwd+bwd": run_bwd, "memory": run_memory, "decode": run_decode,
+               "dropout": run_dropout}
     result = runners[args.mode](args, device)
     meta["loadavg_end"] = loadavg()
     table = result.pop("_table")
@@ -106,5 +114,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"load average start {meta['loadavg_start']} end {meta['loadavg_end']} "
           f"({os.cpu_count()} logical CPUs; a load above that count means the timings were shared)")
     print(table)
-    failed = any(r.check in ("FAIL", "ERR") for r in rows) if args.mode in ("fwd", "decode", "dropout") else False
+    failed = any(r.check in ("FAIL", "ERR") for r in rows) if args.mode != "memory" else False
     return 1 if failed else 0

@@ -1,4 +1,6 @@
-"""``memory`` mode: peak extra memory of one forward call against seqlen, naive attention vs flash_ext."""
+"""``memory`` mode: peak extra memory of one forward call (or, with ``--backward``, of forward + backward, the
+attention of a training step) against seqlen: naive attention vs flash_ext, and SDPA's default backend with
+``--backward``."""
 from __future__ import annotations
 
 import argparse
@@ -143,35 +145,61 @@ class MemRow:
     flash_ext: Dict[str, Optional[int]] = field(default_factory=dict)
     naive_status: str = "ok"
     flash_status: str = "ok"
+    backward: bool = False  # forward + backward (gradients of q, k, v included in the peak)
+    sdpa: Dict[str, Optional[int]] = field(default_factory=dict)  # with backward only
+    sdpa_status: str = "not run"
 
 
 def memory_point(batch: int, seqlen: int, nheads: int, head_dim: int, causal: bool, dtype: torch.dtype,
-                 device: torch.device, cross_check: bool = True, with_naive: bool = True) -> MemRow:
-    """Peak extra memory of one naive and one flash_ext forward call at one shape."""
+                 device: torch.device, cross_check: bool = True, with_naive: bool = True,
+                 backward: bool = False) -> MemRow:
+    """Peak extra memory of one naive and one flash_ext call at one shape: the forward, or with ``backward``
+    ``torch.autograd.grad(attn(q, k, v), (q, k, v), dout)`` (then SDPA's default backend as well)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     score_bytes = batch * nheads * seqlen * seqlen * elem
     row = MemRow(DTYPE_NAMES[dtype], batch, seqlen, nheads, head_dim, causal, score_bytes,
-                 batch * seqlen * nheads * head_dim * elem)
+                 batch * seqlen * nheads * head_dim * elem, backward=backward)
     gen = torch.Generator(device="cpu").manual_seed(0)
     shape = (batch, seqlen, nheads, head_dim)
-    q, k, v = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+    q, k, v, dout = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
+    if backward:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def call(attn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], Any]:
+        if not backward:
+            return lambda: attn(*inputs)
+        grad_out = dout if inputs[0] is q else dout.transpose(1, 2).contiguous()
+        return lambda: torch.autograd.grad(attn(*inputs), inputs, grad_out)
+
+    # The naive forward keeps two score matrices alive at its peak, its autograd about four.
+    naive_factor = 4.4 if backward else 2.2
     if not with_naive:
         row.naive_status = "not run"
-    elif device.type == "cpu" and cpu_would_exhaust_ram(2.2 * score_bytes):
-        row.naive_status = f"skip (needs ~{2 * score_bytes / 2**30:.1f} GiB)"
+    elif device.type == "cpu" and cpu_would_exhaust_ram(naive_factor * score_bytes):
+        row.naive_status = f"skip (needs ~{naive_factor * score_bytes / 2**30:.1f} GiB)"
     else:
         try:
-            row.naive = measure_peak_extra_memory(lambda: naive_attention(q, k, v, causal=causal), device,
-                                                  cross_check)
+            row.naive = measure_peak_extra_memory(call(lambda a, b, c: naive_attention(a, b, c, causal=causal), q, k, v),
+                                                  device, cross_check)
         except Exception as exc:  # noqa: BLE001
             free_device_memory(device)
             row.naive_status = "OOM" if is_oom(exc) else f"ERR {short_error(exc)}"
     try:
-        row.flash_ext = measure_peak_extra_memory(lambda: flash_ext.flash_attn_func(q, k, v, causal=causal), device,
-                                                  cross_check)
+        row.flash_ext = measure_peak_extra_memory(
+            call(lambda a, b, c: flash_ext.flash_attn_func(a, b, c, causal=causal), q, k, v), device, cross_check)
     except Exception as exc:  # noqa: BLE001
         free_device_memory(device)
         row.flash_status = "OOM" if is_oom(exc) else f"ERR {short_error(exc)}"
+    if backward:  # SDPA (its default backend choice) on (b, h, s, d) leaves, like the fwd mode's bhsd layout
+        qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        try:
+            row.sdpa = measure_peak_extra_memory(
+                call(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                     qs, ks, vs), device, cross_check)
+            row.sdpa_status = "ok"
+        except Exception as exc:  # noqa: BLE001
+            free_device_memory(device)
+            row.sdpa_status = "OOM" if is_oom(exc) else f"ERR {short_error(exc)}"
     return row
 
 
@@ -179,18 +207,27 @@ def memory_table(rows: Sequence[MemRow], device: torch.device) -> str:
     methods = ["cuda_alloc"] if device.type == "cuda" else ["rss", "alloc"]
     methods = [m for m in methods if any(r.naive.get(m) is not None or r.flash_ext.get(m) is not None
                                          for r in rows)] or methods[:1]
-    headers = ["dtype", "b", "s", "h", "d", "causal", "S MiB", "out MiB"]
+    with_sdpa = any(r.backward for r in rows)
+    headers = ["dtype", "b", "s", "h", "d", "causal", "pass", "S MiB", "out MiB"]
     for m in methods:
-        headers += [f"naive {m} MiB", f"flash {m} MiB", f"naive/flash ({m})"]
+        headers += [f"naive {m} MiB"] + ([f"sdpa {m} MiB"] if with_sdpa else []) + [f"flash {m} MiB",
+                                                                                      f"naive/flash ({m})"]
     out = []
+
+    def cell(values: Dict[str, Optional[int]], m: str, status: str, digits: int) -> str:
+        x = values.get(m)
+        return f"{x / MiB:.{digits}f}" if x is not None else (status if status != "ok" else "-")
+
     for r in rows:
         cells = [r.dtype, str(r.batch), str(r.seqlen), str(r.nheads), str(r.head_dim), "Y" if r.causal else "N",
-                 f"{r.score_matrix_bytes / MiB:.1f}", f"{r.output_bytes / MiB:.2f}"]
+                 "fwd+bwd" if r.backward else "fwd", f"{r.score_matrix_bytes / MiB:.1f}", f"{r.output_bytes / MiB:.2f}"]
         for m in methods:
             n = r.naive.get(m)
             f_ = r.flash_ext.get(m)
-            cells.append(f"{n / MiB:.1f}" if n is not None else (r.naive_status if r.naive_status != "ok" else "-"))
-            cells.append(f"{f_ / MiB:.2f}" if f_ is not None else (r.flash_status if r.flash_status != "ok" else "-"))
+            cells.append(cell(r.naive, m, r.naive_status, 1))
+            if with_sdpa:
+                cells.append(cell(r.sdpa, m, r.sdpa_status, 2))
+            cells.append(cell(r.flash_ext, m, r.flash_status, 2))
             cells.append(f"{n / f_:.1f}" if n is not None and f_ else "-")
         out.append(cells)
     return format_table(headers, out)
@@ -205,19 +242,23 @@ def run_memory(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     nheads = args.nheads if args.nheads is not None else (16 if cuda else 8)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     # Warm both paths up on a tiny problem so that one-time costs (thread pools, lazy init) are excluded.
-    qw = torch.randn(1, 64, 2, 64, device=device, dtype=dtype)
-    naive_attention(qw, qw, qw)
-    flash_ext.flash_attn_func(qw, qw, qw)
-    del qw
+    qw = torch.randn(1, 64, 2, 64, device=device, dtype=dtype, requires_grad=args.backward)
+    for out in (naive_attention(qw, qw, qw), flash_ext.flash_attn_func(qw, qw, qw),
+                torch.nn.functional.scaled_dot_product_attention(qw, qw, qw)):
+        if args.backward:
+            torch.autograd.grad(out, qw, torch.ones_like(out))
+    del qw, out
     rows = []
-    print(f"memory: peak extra memory per call ({'torch.cuda.max_memory_allocated' if cuda else 'peak RSS (VmHWM reset) and torch profiler allocation events'})",
+    print(f"memory ({'forward + backward' if args.backward else 'forward'}): peak extra memory per call ({'torch.cuda.max_memory_allocated' if cuda else 'peak RSS (VmHWM reset) and torch profiler allocation events'})",
           flush=True)
     for d in head_dims:
         for causal in causals:
             for s in seqlens:
-                row = memory_point(batch, s, nheads, d, causal, dtype, device, cross_check=not args.no_cross_check)
+                row = memory_point(batch, s, nheads, d, causal, dtype, device, cross_check=not args.no_cross_check,
+                                   backward=args.backward)
                 rows.append(row)
-                print(f"  s={s} d={d} causal={causal}: naive {row.naive} {row.naive_status}, "
+                sdpa = f", sdpa {row.sdpa} {row.sdpa_status}" if args.backward else ""
+                print(f"  s={s} d={d} causal={causal}: naive {row.naive} {row.naive_status}{sdpa}, "
                       f"flash_ext {row.flash_ext} {row.flash_status}", flush=True)
     method = ("torch.cuda.max_memory_allocated() - memory_allocated() before the call" if cuda else
               "rss: VmHWM after the call - VmRSS before (peak reset through /proc/self/clear_refs, "

@@ -20,7 +20,7 @@ def plot(mode: str, result: Dict[str, Any], meta: Dict[str, Any], path: str) -> 
     except ImportError:
         return "matplotlib is not installed: --plot skipped"
     title = f"{meta['device_name']}, torch {meta['torch_version']}, {meta['git_commit']}"
-    if mode == "fwd":
+    if mode in ("fwd", "bwd", "fwd+bwd"):
         rows: List[FwdRow] = result["_rows"]
         groups = sorted({(r.dtype, r.head_dim, r.causal) for r in rows})
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)

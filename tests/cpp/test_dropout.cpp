@@ -13,9 +13,12 @@
 #include <random>
 
 #include "flash_ext/dispatch.h"
+#include "flash_ext/dispatch_bwd.h"
 #include "flash_ext/dropout.h"
 #include "flash_ext/traits_host.h"
+#include "flash_ext/launch_host_bwd.h"
 #include "flash_ext/traits_sm80.h"
+#include "flash_ext/traits_sm80_bwd.h"
 
 using namespace cute;
 using flash_ext::DropoutRng;
@@ -110,11 +113,12 @@ void check_contract() {
         "threshold = floor((1 - p) 65536 + 0.5)");
 }
 
-// 3. Grouped evaluation == per-element contract, for every thread of a traits' tile.
-template <class Traits>
+// 3. Grouped evaluation == per-element contract, for every thread of a traits' tile.  TiledMma: the MMA of
+// the S = Q.K^T tile (the backward traits name it TiledMmaSdP).
+template <class Traits, class TiledMma = typename Traits::TiledMma>
 void check_tile_mask(char const* name) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
-  typename Traits::TiledMma tiled_mma;
+  TiledMma tiled_mma;
   using AccLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
   auto cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   std::mt19937_64 rng(7);
@@ -159,6 +163,19 @@ void check_tile_masks() {
   check_tile_mask<flash_ext::Sm80Traits<kHeadDim, tile.block_m, tile.block_n, tile.num_warps, cutlass::half_t>>(name);
 }
 
+// The backward's S tile (dispatch_bwd.h's config: warps split the columns as well as the rows), and the host
+// backward (the forward's host tile shapes).
+template <int kHeadDim>
+void check_bwd_tile_masks() {
+  constexpr auto t = flash_ext::sm80_bwd_tile_config(kHeadDim);
+  using Traits = flash_ext::Sm80BwdTraits<kHeadDim, t.block_m, t.block_n, t.num_warps, t.atom_m_sdp, t.atom_n_dkv,
+                                          t.atom_m_dq, t.double_buffer_q, cutlass::half_t>;
+  char name[80];
+  std::snprintf(name, sizeof(name), "Sm80 bwd hd%d %dx%d w%d (%d warps on rows)", kHeadDim, t.block_m, t.block_n,
+                t.num_warps, t.atom_m_sdp);
+  check_tile_mask<Traits, typename Traits::TiledMmaSdP>(name);
+}
+
 // 4. Statistics: the keep fraction over a 512 x 512 block is within 5 binomial sigmas of t / 65536.
 void check_keep_fraction() {
   for (double p : {0.1, 0.5, 0.9}) {
@@ -181,6 +198,14 @@ int main() {
   check_tile_masks<256>();
   check_tile_mask<flash_ext::HostTraits<64, 128, 64, float>>("Host 128x64");
   check_tile_mask<flash_ext::HostTraits<64, 16, 64, float>>("Host 16x64 (short queries)");
+  check_bwd_tile_masks<32>();
+  check_bwd_tile_masks<64>();
+  check_bwd_tile_masks<96>();
+  check_bwd_tile_masks<128>();
+  check_bwd_tile_masks<192>();
+  check_bwd_tile_masks<256>();
+  using HostBwd = flash_ext::HostBwdTraits<64, flash_ext::kHostBwdBlockM, flash_ext::kHostBwdBlockN, float>;
+  check_tile_mask<HostBwd, typename HostBwd::TiledMmaSdP>("Host bwd");
   check_keep_fraction();
   std::printf("%d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;

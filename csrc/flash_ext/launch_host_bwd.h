@@ -1,0 +1,109 @@
+// The CPU backend of the backward pass: preprocess (D, zeroed dQ accumulators), the backward kernel body with
+// HostBwdTraits, and the dQ postprocess, each spread over CPU threads by a caller-supplied parallel-for
+// (at::parallel_for in the extension, a plain loop in the C++ tests).
+//
+// Determinism: the gradients are bitwise identical for every run and every thread count.  Each work item is
+// one (split, batch, K/V head): it owns the K/V tiles n = split, split + splits, ... of that head in
+// increasing order, dK/dV of those tiles, and dQ accumulator slice `split`, which nobody else writes; the
+// postprocess sums the slices in slice order.  The split count depends only on the problem's shape
+// (host_bwd_splits), never on the thread count, so the order of every floating-point sum is fixed.
+#pragma once
+
+#include <cstdint>
+
+#include "block_info.h"
+#include "bwd_postprocess.h"
+#include "bwd_preprocess.h"
+#include "kernel_bwd.h"
+#include "launch_host.h"
+#include "params.h"
+#include "traits_host_bwd.h"
+
+namespace flash_ext {
+
+// Host backward tiles: 64 x 64.  Per (query tile, K/V tile) step the body runs five GEMMs of 64 x 64 x d and
+// copies ~10 operand tiles element by element, a copy per ~30 FMAs; acc_dk + acc_dv (2 x 64 x d fp32) and the
+// tiles (~100-300 KB at d = 64..256) stay in L2.
+inline constexpr int kHostBwdBlockM = 64;
+inline constexpr int kHostBwdBlockN = 64;
+
+// Work items per problem the split count aims for: enough to keep a many-core CPU busy (and to balance causal
+// problems, where K/V tiles near the end see fewer query tiles; splits take strided tiles for that reason),
+// at the price of one fp32 dQ slice (h x rows x d x 4 bytes) per split.  A shape-only rule: see above.
+inline constexpr int kHostBwdTargetItems = 32;
+
+constexpr int host_bwd_splits(int batch, int heads_k, int n_blocks) {
+  int const groups = batch * heads_k;
+  if (groups <= 0 || n_blocks <= 0) { return 1; }
+  int const want = ceil_div(kHostBwdTargetItems, groups);
+  return want < 1 ? 1 : (want > n_blocks ? n_blocks : want);
+}
+
+static_assert(host_bwd_splits(4, 8, 16) == 1, "32 heads keep 32 items busy without splitting");
+static_assert(host_bwd_splits(1, 8, 32) == 4);
+static_assert(host_bwd_splits(1, 1, 3) == 3, "never more splits than K/V tiles");
+
+template <class Traits, class ParallelFor>
+void run_bwd_host_traits(BwdParams const& params, ParallelFor&& parallel_for) {
+  using Element = typename Traits::Element;
+  DynamicFlags const flags = bwd_flags_from_params<Traits, DynamicFlags>(params);
+  int64_t const rows = int64_t(params.b) * params.h * params.seqlen_q;
+  auto for_each_row = [&](auto&& fn) {
+    parallel_for(int64_t(0), rows, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        int const row = int(i % params.seqlen_q);
+        int const bidh = int((i / params.seqlen_q) % params.h);
+        int const bidb = int(i / (int64_t(params.seqlen_q) * params.h));
+        BlockInfo const binfo(params, bidb);
+        if (row < binfo.seqlen_q) { fn(binfo, bidb, bidh, row); }
+      }
+    });
+  };
+
+  for_each_row([&](BlockInfo const& binfo, int bidb, int bidh, int row) {
+    preprocess_row<Element>(params, binfo, bidb, bidh, row);
+  });
+
+  int const n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
+  int const splits = params.dq_accum_splits;
+  int64_t const items = int64_t(splits) * params.b * params.h_k;
+  parallel_for(int64_t(0), items, [&](int64_t begin, int64_t end) {
+    alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA
+    for (int64_t i = begin; i < end; ++i) {
+      int const split = int(i % splits);
+      int const bidh_kv = int((i / splits) % params.h_k);
+      int const bidb = int(i / (int64_t(splits) * params.h_k));
+      for (int n_block = split; n_block < n_blocks; n_block += splits) {
+        compute_dq_dk_dv_1colblock<Traits>(params, flags, bidb, bidh_kv, n_block, /*dq_slice=*/split, /*tidx=*/0, smem);
+      }
+    }
+  });
+
+  for_each_row([&](BlockInfo const& binfo, int bidb, int bidh, int row) {
+    postprocess_dq_row<Element>(params, binfo, bidb, bidh, row, 0, params.d);
+  });
+}
+
+template <int kHeadDim, class Element, class ParallelFor>
+void run_bwd_host_head_dim(BwdParams const& params, ParallelFor&& parallel_for) {
+  if constexpr (host_head_dim_compiled(kHeadDim)) {
+    run_bwd_host_traits<HostBwdTraits<kHeadDim, kHostBwdBlockM, kHostBwdBlockN, Element>>(params, parallel_for);
+  }
+}
+
+// Precondition (the op layer's): params.dq_accum_splits == host_bwd_splits(b, h_k, ceil(seqlen_k / kHostBwdBlockN)),
+// with that many slices allocated.
+template <class Element, class ParallelFor>
+void run_bwd_host(BwdParams const& params, ParallelFor&& parallel_for) {
+  switch (host_head_dim_for(params.d)) {
+    case 32: return run_bwd_host_head_dim<32, Element>(params, parallel_for);
+    case 64: return run_bwd_host_head_dim<64, Element>(params, parallel_for);
+    case 96: return run_bwd_host_head_dim<96, Element>(params, parallel_for);
+    case 128: return run_bwd_host_head_dim<128, Element>(params, parallel_for);
+    case 192: return run_bwd_host_head_dim<192, Element>(params, parallel_for);
+    case 256: return run_bwd_host_head_dim<256, Element>(params, parallel_for);
+    default: break;  // the op layer rejects head dims without a compiled host kernel before this point
+  }
+}
+
+}  // namespace flash_ext
