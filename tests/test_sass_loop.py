@@ -96,3 +96,31 @@ def test_function_without_hmma_loop(sass_loop) -> None:
     (fn,) = sass_loop.parse_sass(text)
     assert fn.arch == 90 and len(fn.instrs) == 3
     assert sass_loop.main_loop(fn) is None
+
+
+def test_feed_rate_gate_rules(sass_loop) -> None:
+    """kernel_report's gate: below the arch's bar fails unless waived; a waived kernel must stay above its
+    floor; a waiver whose kernel meets the bar must go."""
+    spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "scripts" / "kernel_report.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+
+    def row(arch: int, hd: int, hmma: int, smem_bytes: int) -> dict:
+        counts = dict.fromkeys(sass_loop.METRICS, 0)
+        counts.update(hmma=hmma, fma=2048 * hmma, smem_bytes=smem_bytes)
+        lm = sass_loop.LoopMetrics(0, 0, 0, 1, 0, counts, counts, counts)
+        return {"arch": arch, "hd": hd, "loop": lm}
+
+    kr.FEED_WAIVERS = {(80, 128): 6.0}
+    # 128 HMMA = 262144 FMA: 40960 B -> 6.4 (waived, above the floor), 45000 B -> 5.8 (below the floor).
+    assert kr.feed_check(row(80, 128, 128, 40960)) is None
+    assert "floor" in kr.feed_check(row(80, 128, 128, 45000))
+    # The same 6.4 without a waiver fails the sm_80 bar of 8.0; 32768 B -> 8.0 passes.
+    assert "bar" in kr.feed_check(row(80, 64, 128, 40960))
+    assert kr.feed_check(row(80, 64, 128, 32768)) is None
+    # A waived kernel that meets the bar: the waiver must be removed.
+    assert "remove" in kr.feed_check(row(80, 128, 128, 32768))
+    # sm_90's bar is 32/3: 24576 B -> exactly 32/3 passes, 24577 B fails.
+    assert kr.feed_check(row(90, 64, 128, 24576)) is None
+    assert "bar" in kr.feed_check(row(90, 64, 128, 24577))
+    assert "no main loop" in kr.feed_check({"arch": 80, "hd": 64, "loop": None})
