@@ -140,6 +140,22 @@ py::dict plan_to_dict(ops::Plan const& p) {
   d["flags"] = flags;
   d["window"] = std::vector<int>{p.window_left, p.window_right};
   d["hbm_bytes"] = p.hbm_bytes, d["naive_hbm_bytes"] = p.naive_hbm_bytes;
+  py::dict problem;
+  problem["b"] = p.b, problem["h"] = p.h, problem["h_k"] = p.h_k, problem["seqlen_q"] = p.seqlen_q;
+  problem["seqlen_k"] = p.seqlen_k, problem["d"] = p.head_dim, problem["element_size"] = p.element_size;
+  d["kernel_problem"] = problem;
+  return d;
+}
+
+// The GPU kernel's tile for a head dim (dispatch.h's sm80_tile_config), whatever this build compiled: the
+// roofline model of explain(gpu=...) needs it on machines without a GPU too.
+py::dict gpu_tile_config(int head_dim, bool causal, int max_smem_per_block_optin) {
+  int const hd = gpu_head_dim_for(head_dim);
+  TORCH_CHECK_VALUE(hd > 0, "gpu_tile_config: head_dim ", head_dim, " is above the largest GPU tile (256)");
+  TileConfig const t = sm80_tile_config(hd, causal, smem_budget_for(max_smem_per_block_optin));
+  py::dict d;
+  d["head_dim_tile"] = hd, d["block_m"] = t.block_m, d["block_n"] = t.block_n, d["num_warps"] = t.num_warps;
+  d["threads"] = 32 * t.num_warps, d["smem_bytes"] = tile_smem_bytes(t, hd);
   return d;
 }
 
@@ -192,6 +208,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
         py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("num_splits") = 0,
         py::arg("dropout_p") = 0.0);
+  m.def("gpu_tile_config", &gpu_tile_config,
+        "The CUDA kernel's tile (block_m, block_n, warps, smem) for a head dim, from dispatch.h.",
+        py::arg("head_dim"), py::arg("causal"), py::arg("max_smem_per_block_optin") = 163 * 1024);
   m.def("num_splits_heuristic",
         [](int ctas, int processors, int n_blocks) {
           return num_splits_heuristic(ctas, processors, n_blocks, int(ops::kMaxSplits));
