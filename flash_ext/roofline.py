@@ -286,25 +286,45 @@ def predict_plan(plan: Dict[str, Any], gpu: GpuSpec, requested_splits: int = 0) 
 
 def _grid_table(gpus: List[str]) -> str:
     """Predictions for the GPU benchmark's default grid (bf16, batch x seqlen = 16k tokens, hidden 2048,
-    head dims 64 and 128, causal and not) and a GQA decode step, as a markdown table."""
-    import torch
-
-    from .explain import explain
-
-    rows = ["| GPU | shape | tile, splits | predicted us | TFLOP/s (useful) | bound | tensor / smem / HBM / schedule us |",
-            "|---|---|---|---|---|---|---|"]
-    shapes = [(16384 // s, s, 2048 // d, 2048 // d, s, d, c) for d in (64, 128) for c in (False, True)
-              for s in (512, 2048, 8192, 16384)]
-    shapes += [(1, 1, 32, 8, 8192, 128, False), (8, 1, 32, 8, 8192, 128, False)]  # decode: 4 query heads per K/V head
+    head dims 64 and 128, causal and not) and GQA decode steps, as a markdown table.  The problems are given
+    as the kernel sees them (a decode step's 4 query heads per K/V head are 4 rows, as swap_query_groups
+    makes them), so the table needs no CPU kernel of those head dims in this build."""
+    rows = ["| GPU | problem (kernel's view) | tile, splits | predicted us | useful TFLOP/s | bound | "
+            "tensor / smem / HBM / schedule us |", "|---|---|---|---|---|---|---|"]
+    # (b, h, h_k, seqlen_q, seqlen_k, d, causal)
+    problems = [(16384 // s, 2048 // d, 2048 // d, s, s, d, c) for d in (64, 128) for c in (False, True)
+                for s in (512, 2048, 8192, 16384)]
+    problems += [(b, 8, 8, 4, sk, 128, False) for b, sk in ((1, 8192), (8, 8192), (8, 65536))]
     for name in gpus:
-        for b, sq, h, hk, sk, d, causal in shapes:
-            q = torch.empty(b, sq, h, d, dtype=torch.bfloat16)
-            k = torch.empty(b, sk, hk, d, dtype=torch.bfloat16)
-            r = explain(q, k, k, causal=causal, gpu=name, verbose=False).roofline
-            shape = f"b={b} sq={sq} sk={sk} h={h}/{hk} d={d}{' causal' if causal else ''}"
-            rows.append(f"| {r.gpu.name} | {shape} | {r.block_m}x{r.block_n}/{r.num_warps}w, {r.num_splits} | "
+        for b, h, hk, sq, sk, d, causal in problems:
+            plan = {"backend": "model", "kernel_problem": {"b": b, "h": h, "h_k": hk, "seqlen_q": sq,
+                                                           "seqlen_k": sk, "d": d, "element_size": 2},
+                    "flags": {"causal": causal}, "window": [-1, 0 if causal else -1]}
+            r = predict_plan(plan, gpu_spec(name))
+            shape = f"b={b} h={h}/{hk} sq={sq} sk={sk} d={d}{' causal' if causal else ''}"
+            rows.append(f"| {name} | {shape} | {r.block_m}x{r.block_n}/{r.num_warps}w, {r.num_splits} | "
                         f"{r.time * 1e6:.1f} | {r.useful_tflops:.0f} | {r.bound} | {r.t_tensor * 1e6:.1f} / "
                         f"{r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / {r.t_schedule * 1e6:.1f} |")
+    return "\n".join(rows)
+
+
+def _decode_tiles_table(gpus: List[str]) -> str:
+    """What-if: a GQA decode step (32 query / 8 K/V heads = 4 rows per K/V head, d = 128, bf16) with today's
+    tile and two smaller ones, splits by dispatch.h's heuristic for each tile."""
+    from . import _C
+
+    rows = ["| GPU | b, sk | tile (M x N / warps) | splits | predicted us | bound | "
+            "tensor / smem / HBM / schedule us |", "|---|---|---|---|---|---|---|"]
+    for name in gpus:
+        spec = gpu_spec(name)
+        for b, sk in ((1, 8192), (8, 8192), (8, 65536)):
+            for bm, bn, warps in ((128, 64, 8), (64, 64, 4), (16, 64, 1)):
+                splits = _C.num_splits_heuristic(b * 8 * math.ceil(4 / bm), spec.sms, math.ceil(sk / bn))
+                r = predict(b, 8, 8, 4, sk, 128, spec, bm, bn, warps, 128, num_splits=splits)
+                today = " (today)" if (bm, bn, warps) == (128, 64, 8) else ""
+                rows.append(f"| {name} | {b}, {sk} | {bm} x {bn} / {warps}{today} | {splits} | {r.time * 1e6:.1f} | "
+                            f"{r.bound} | {r.t_tensor * 1e6:.1f} / {r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / "
+                            f"{r.t_schedule * 1e6:.1f} |")
     return "\n".join(rows)
 
 
@@ -313,4 +333,6 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description="Static roofline predictions for the GPU benchmark grid.")
     ap.add_argument("--gpu", nargs="+", default=sorted(GPUS), help="GPUs to model (default: all known)")
-    print(_grid_table(ap.parse_args().gpu))
+    ap.add_argument("--decode-tiles", action="store_true", help="what-if table: decode with smaller tiles")
+    a = ap.parse_args()
+    print(_decode_tiles_table(a.gpu) if a.decode_tiles else _grid_table(a.gpu))
