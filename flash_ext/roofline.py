@@ -23,7 +23,7 @@ The model (docs/perf.md, "Static model", has the arithmetic and the sources of e
   makespan exceeds the perfectly balanced compute time by more than 25% (SMs idle for >= 20% of it);
   otherwise whichever of tensor cores / shared memory has more work.
 
-Not modelled: launch latency (~ a few microseconds), the combine kernel's own time beyond its bytes,
+Not modelled: launch latency (~ a few microseconds), the combine kernel's own time beyond its bytes, dropout's RNG,
 L2 capacity misses, clocks below boost, register-bound latency hiding.  Unverified on GPU: the first
 measurement calibrates it (``python -m flash_ext.bench`` prints it next to the measured time).
 """
