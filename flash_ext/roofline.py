@@ -326,13 +326,3 @@ def _decode_tiles_table(gpus: List[str]) -> str:
                             f"{r.bound} | {r.t_tensor * 1e6:.1f} / {r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / "
                             f"{r.t_schedule * 1e6:.1f} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Static roofline predictions for the GPU benchmark grid.")
-    ap.add_argument("--gpu", nargs="+", default=sorted(GPUS), help="GPUs to model (default: all known)")
-    ap.add_argument("--decode-tiles", action="store_true", help="what-if table: decode with smaller tiles")
-    a = ap.parse_args()
-    print(_decode_tiles_table(a.gpu) if a.decode_tiles else _grid_table(a.gpu))
