@@ -22,11 +22,9 @@ namespace py = pybind11;
 
 #if defined(FLASH_EXT_WITH_CUDA)
 constexpr int kGpuHeadDimsMask = FLASH_EXT_GPU_HEADDIMS_MASK;
-constexpr int kGpuBwdHeadDimsMask = FLASH_EXT_GPU_BWD_HEADDIMS_MASK;
 std::string const kCudaArchs = FLASH_EXT_CUDA_ARCHS_STR;
 #else
 constexpr int kGpuHeadDimsMask = 0;
-constexpr int kGpuBwdHeadDimsMask = 0;
 std::string const kCudaArchs;
 #endif
 
@@ -41,10 +39,10 @@ std::vector<int> emulator_head_dims() {
   return out;
 }
 
-std::vector<int> gpu_head_dims(int mask = kGpuHeadDimsMask) {
+std::vector<int> gpu_head_dims() {
   std::vector<int> out;
   for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
-    if ((mask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
+    if ((kGpuHeadDimsMask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
   }
   return out;
 }
@@ -71,7 +69,6 @@ py::dict build_info() {
   info["cuda"] = kGpuHeadDimsMask != 0 || !kCudaArchs.empty();
   info["cuda_archs"] = kCudaArchs;
   info["gpu_head_dims"] = gpu_head_dims();
-  info["gpu_bwd_head_dims"] = gpu_head_dims(kGpuBwdHeadDimsMask);  // FLASH_EXT_BWD_HEADDIMS
   info["host_head_dims"] = host;
   info["emulator"] = ops::emulator_built();
   info["emulator_head_dims"] = emulator_head_dims();
@@ -168,6 +165,22 @@ py::dict plan_to_dict(ops::Plan const& p) {
   d["window"] = std::vector<int>{p.window_left, p.window_right};
   d["hbm_bytes"] = p.hbm_bytes, d["naive_hbm_bytes"] = p.naive_hbm_bytes;
   if (!p.cpu_isa.empty()) { d["cpu_isa"] = p.cpu_isa; }
+  py::dict problem;
+  problem["b"] = p.b, problem["h"] = p.h, problem["h_k"] = p.h_k, problem["seqlen_q"] = p.seqlen_q;
+  problem["seqlen_k"] = p.seqlen_k, problem["d"] = p.head_dim, problem["element_size"] = p.element_size;
+  d["kernel_problem"] = problem;
+  return d;
+}
+
+// The GPU kernel's tile for a head dim (dispatch.h's sm80_tile_config), whatever this build compiled: the
+// roofline model of explain(gpu=...) needs it on machines without a GPU too.
+py::dict gpu_tile_config(int head_dim, bool causal, int max_smem_per_block_optin) {
+  int const hd = gpu_head_dim_for(head_dim);
+  TORCH_CHECK_VALUE(hd > 0, "gpu_tile_config: head_dim ", head_dim, " is above the largest GPU tile (256)");
+  TileConfig const t = sm80_tile_config(hd, causal, smem_budget_for(max_smem_per_block_optin));
+  py::dict d;
+  d["head_dim_tile"] = hd, d["block_m"] = t.block_m, d["block_n"] = t.block_n, d["num_warps"] = t.num_warps;
+  d["threads"] = 32 * t.num_warps, d["smem_bytes"] = tile_smem_bytes(t, hd);
   return d;
 }
 
@@ -221,6 +234,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
         py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("num_splits") = 0,
         py::arg("dropout_p") = 0.0);
+  m.def("gpu_tile_config", &gpu_tile_config,
+        "The CUDA kernel's tile (block_m, block_n, warps, smem) for a head dim, from dispatch.h.",
+        py::arg("head_dim"), py::arg("causal"), py::arg("max_smem_per_block_optin") = 163 * 1024);
   m.def("num_splits_heuristic",
         [](int ctas, int processors, int n_blocks) {
           return num_splits_heuristic(ctas, processors, n_blocks, int(ops::kMaxSplits));

@@ -8,6 +8,7 @@ import torch
 
 from . import _C, _ops  # noqa: F401
 from .interface import _prepare_qkv
+from .roofline import Roofline, gpu_spec, predict_plan
 
 __all__ = ["explain", "Explanation"]
 
@@ -22,6 +23,8 @@ class Explanation:
     plan: dict
     hbm_bytes: int = 0
     naive_hbm_bytes: int = 0
+    roofline: Optional[Roofline] = None  # the static model's prediction on a named GPU (explain(gpu=...))
+    roofline_note: str = ""  # why a requested roofline is absent
 
     def __str__(self) -> str:
         if not self.ok:
@@ -47,6 +50,18 @@ class Explanation:
             f"HBM bytes   ~{self.hbm_bytes / 2**20:.1f} MiB estimated (naive attention materialising S and P: "
             f"~{self.naive_hbm_bytes / 2**20:.1f} MiB, {self.naive_hbm_bytes / max(self.hbm_bytes, 1):.1f}x)",
         ]
+        if self.roofline_note:
+            lines.append(f"roofline    n/a: {self.roofline_note}")
+        if self.roofline is not None:
+            r = self.roofline
+            lines += [
+                f"roofline    {r.gpu.name} (static model, unverified on GPU): tile {r.block_m} x {r.block_n}, "
+                f"{r.num_warps} warps, {r.num_splits} split(s), {r.ctas} CTAs",
+                f"            {r.time * 1e6:.1f} us predicted, bound by {r.bound}; tensor cores "
+                f"{r.t_tensor * 1e6:.1f} us, shared memory {r.t_smem * 1e6:.1f} us "
+                f"({r.fma_per_smem_byte:.1f} FMA/B, bar {r.gpu.fma_per_smem_byte_bar:.1f}), HBM "
+                f"{r.t_hbm * 1e6:.1f} us, CTA schedule {r.t_schedule * 1e6:.1f} us",
+            ]
         return "\n".join(lines)
 
 
@@ -64,6 +79,7 @@ def explain(
     return_attn_probs: bool = False,
     num_splits: int = 0,
     *,
+    gpu: Optional[str] = None,
     verbose: bool = True,
 ) -> Explanation:
     """Describe what ``flash_attn_func`` would run for these arguments, without running it.
@@ -73,6 +89,11 @@ def explain(
     and the compiled variant chosen, shared memory, grid, number of KV splits, and estimated HBM traffic vs
     naive attention.  If the call cannot run, ``ok`` is False and ``reasons`` lists every reason.  Prints
     the explanation unless ``verbose=False``.  Set ``FLASH_EXT_LOG=1`` to log the plan of every call.
+
+    ``gpu`` ("A100", "H100", "H200") adds the static roofline of ``flash_ext.roofline`` for the plan on that
+    GPU: the limiting resource (tensor cores, shared memory, HBM, waves/occupancy) and the predicted time.
+    On a CPU tensor it uses the tile and split count the op would choose on that GPU.  On a CUDA tensor
+    the device's own model is used when it is one of those GPUs.
     """
     reasons = []
     q, k, v, softmax_scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
@@ -82,8 +103,24 @@ def explain(
                                        float(dropout_p))
     reasons += plan.get("reasons", [])
     ok = plan.get("ok", False) and not reasons
+    roofline = None
+    if gpu is not None:
+        spec = gpu_spec(gpu)  # ValueError naming the known GPUs
+    elif q.is_cuda:
+        try:
+            spec = gpu_spec(torch.cuda.get_device_name(q.device))
+        except ValueError:
+            spec = None
+    else:
+        spec = None
+    note = ""
+    if ok and spec is not None:
+        if q.dtype in (torch.float16, torch.bfloat16):
+            roofline = predict_plan(plan, spec, requested_splits=int(num_splits))
+        else:
+            note = f"the GPU kernels take float16/bfloat16, not {q.dtype}"
     result = Explanation(ok=ok, reasons=reasons, plan=plan, hbm_bytes=plan.get("hbm_bytes", 0),
-                         naive_hbm_bytes=plan.get("naive_hbm_bytes", 0))
+                         naive_hbm_bytes=plan.get("naive_hbm_bytes", 0), roofline=roofline, roofline_note=note)
     if verbose:
         print(result)
     return result

@@ -1,11 +1,19 @@
 #!/usr/bin/env python3
-"""Resource usage of every compiled forward and backward kernel, and the no-spill gate.
+"""Resource usage of every compiled forward and backward kernel, main-loop metrics of the forward kernels;
+the no-spill and feed-rate gates.
 
-Reads the CUDA binaries embedded in the built extension with ``cuobjdump --dump-resource-usage`` (from the
-CUDA toolkit, or the ``nvidia-cuda-cuobjdump`` pip package), and writes a markdown table (kernel,
-registers, shared memory, stack/local bytes, estimated CTAs per SM).  With ``--gate`` it exits non-zero if
-any forward or backward kernel (the attention kernels and the backward's pre/postprocess) has a stack frame
-or local memory: register spills land there.
+Reads the CUDA binaries embedded in the built extension (or object files) with ``cuobjdump`` (from the CUDA
+toolkit, or the ``nvidia-cuda-cuobjdump`` pip package) and writes markdown tables:
+
+* resources (``--dump-resource-usage``) of the forward and backward kernels (the attention kernels and the
+  backward's pre/postprocess): registers, shared memory, stack/local bytes, estimated CTAs/SM;
+* the forward's main loop, read from the SASS (``-sass``, parsed by ``sass_loop.py``, whose docstring gives
+  the method and its limits): per iteration and warp the HMMA, ldmatrix, shared stores, cp.async and global
+  loads, and FMA per shared-memory byte next to the arch's bar (``FEED_BAR``).
+
+With ``--gate`` it exits non-zero if any kernel has a stack frame or local memory (register spills land
+there), or if a forward kernel's FMA per shared-memory byte is below its arch's bar and not covered by a
+waiver (``FEED_WAIVERS``), or is below its waiver's floor, or a waiver has become unnecessary.
 
     python scripts/kernel_report.py flash_ext/_C*.so --out docs/kernels.md --gate
 """
@@ -21,6 +29,25 @@ import re
 import shutil
 import subprocess
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import sass_loop  # noqa: E402
+
+# FMA per shared-memory byte a main loop must reach so that shared memory can feed the tensor cores at the
+# mma.sync rate: (dense fp16/bf16 FMA per clock per SM) / (shared-memory bytes per clock per SM).  Shared
+# memory delivers 32 banks x 4 bytes = 128 B/clk/SM on sm_80 and sm_90.  sm_80 (A100): 1024 FMA/clk/SM
+# (312 TFLOP/s = 108 SMs x 1.41 GHz x 2 x 1024) -> 1024 / 128 = 8.0.  sm_90 (H100/H200): 2048 FMA/clk/SM
+# for wgmma (989 TFLOP/s = 132 x 1.83 GHz x 2 x 2048), of which mma.sync reaches about 2/3 -> 1365 / 128
+# = 10.7.  Sources and the roofline built on the same numbers: docs/perf.md, flash_ext/roofline.py.
+FEED_BAR = {80: 8.0, 90: 2048 * 2 / 3 / 128}
+FEED_EPS = 1e-9  # 4 warps x 32 rows gives exactly 32/3 = sm_90's bar
+
+# Kernels allowed below the bar for now, with the floor they must not fall below (a regression gate).  The
+# 8-warp x 16-row tiles re-read all of K and V in every warp: per tile M x N / (M + 2 N (warps + 1)) FMA per
+# byte, whatever the head dim: 6.4 with 64-key tiles, 5.8 at head dim 256 (32-key tiles); the SASS agrees
+# (docs/kernels.md).  FA2-class tiles (issue #14 item 3: 4 warps x 32 rows, 10.7) must replace them before
+# the waivers go.  Key: (arch, head dim); the floors sit below those values, they do not copy them.
+FEED_WAIVERS = {(arch, hd): (5.5 if hd == 256 else 6.0) for arch in (80, 90) for hd in (32, 64, 96, 128, 192, 256)}
 
 # Per-SM limits used for the occupancy estimate: registers, max dynamic shared memory per SM (bytes).
 SM_LIMITS = {80: (65536, 164 * 1024), 86: (65536, 100 * 1024), 89: (65536, 100 * 1024), 90: (65536, 228 * 1024)}
@@ -112,14 +139,88 @@ def parse(so: str, cuobjdump: str) -> list[dict]:
     return sorted(rows, key=lambda r: (order[r["kernel"]], r["arch"], r["hd"], r["dtype"], r["flags"]))
 
 
+def loop_metrics(so: str, cuobjdump: str) -> dict[tuple[int, str], sass_loop.LoopMetrics | None]:
+    """Main-loop metrics of every forward kernel in `so`, keyed by (arch, mangled name)."""
+    text = subprocess.run([cuobjdump, "-sass", so], capture_output=True, text=True, check=True).stdout
+    return {(fn.arch, fn.name): sass_loop.main_loop(fn) for fn in sass_loop.parse_sass(text)
+            if "flash_fwd_kernel" in fn.name}
+
+
+def feed_check(row: dict) -> str | None:
+    """Why `row` fails the feed-rate gate, or None."""
+    lm = row.get("loop")
+    if lm is None:
+        return "no main loop with HMMA found in the SASS"
+    ratio, bar = lm.fma_per_smem_byte, FEED_BAR.get(row["arch"])
+    if bar is None:
+        return None
+    floor = FEED_WAIVERS.get((row["arch"], row["hd"]))
+    if ratio >= bar - FEED_EPS:
+        return None if floor is None else f"meets the bar {bar:.1f}: remove its FEED_WAIVERS entry"
+    if floor is None:
+        return f"{ratio:.2f} FMA/B below the bar {bar:.1f}"
+    return None if ratio >= floor else f"{ratio:.2f} FMA/B below its waiver floor {floor:.1f}"
+
+
+def loop_table(rows: list[dict]) -> str:
+    head = ("| arch | head dim | dtype | tile (M x N, warps) | flags | HMMA (FMA) | LDSM (bytes) | cp.async (bytes) "
+            "| STS / LDS bytes | LDG | BAR | instructions | FMA / smem byte | bar |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def rng(lm: sass_loop.LoopMetrics, key: str) -> str:
+        lo, st, hi = lm.min[key], lm.steady[key], lm.max[key]
+        return f"{st}" if lo == hi else f"{st} ({lo}-{hi})"
+
+    body = ""
+    for r in rows:
+        lm = r.get("loop")
+        tile = f"{r['bm']} x {r['bn']}, {r['warps']}"
+        if lm is None:
+            body += f"| sm_{r['arch']} | {r['hd']} | {r['dtype']} | {tile} | {r['flags']} | no loop found |||||||||\n"
+            continue
+        s = lm.steady
+        bar = FEED_BAR.get(r["arch"])
+        verdict = "-" if bar is None else (f"{bar:.1f} met" if lm.fma_per_smem_byte >= bar - FEED_EPS else f"{bar:.1f} **below**")
+        body += (f"| sm_{r['arch']} | {r['hd']} | {r['dtype']} | {tile} | {r['flags']} | {s['hmma']} ({s['fma']}) | "
+                 f"{s['ldsm']} ({s['ldsm_bytes']}) | {rng(lm, 'ldgsts')} ({s['ldgsts_bytes']}) | "
+                 f"{rng(lm, 'sts_bytes')} / {rng(lm, 'lds_bytes')} | {rng(lm, 'ldg')} | {s['bar']} | "
+                 f"{rng(lm, 'instructions')} | {lm.fma_per_smem_byte:.2f} | {verdict} |\n")
+    return head + body
+
+
+LOOP_TEXT = """## Main loop, per iteration and warp (from the SASS)
+
+One iteration is one K/V tile.  Counts per warp along the steady-state path (an interior tile: both
+next copies issued, no zero-fill, no mask); where other paths differ, their range follows in
+parentheses.  Bytes are per warp: LDSM.x4 512, cp.async.16 512 (written to shared memory), STS.128 512.
+FMA / smem byte = HMMA x 2048 / (LDSM + LDS + STS + cp.async bytes); the bar is the ratio at which
+shared memory (128 B/clk/SM) feeds the tensor cores at the mma.sync rate (sm_80: 1024 FMA/clk/SM ->
+8.0; sm_90: about 2/3 of 2048 -> 10.7; arithmetic and sources in `docs/perf.md`).  Kernels below the bar
+are waived to a floor (6.0; 5.5 at head dim 256) until FA2-class tiles land (`FEED_WAIVERS` in `scripts/kernel_report.py`).
+Method and limits: `scripts/sass_loop.py` (loop = the back edge whose region holds the most HMMA;
+per-path sums over the region's forward-edge DAG; static counts, predicated instructions count as
+executed).
+
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("so", nargs="+", help="built extension(s), e.g. flash_ext/_C*.so")
     ap.add_argument("--out", help="markdown file to write")
-    ap.add_argument("--gate", action="store_true", help="fail if any kernel uses stack or local memory")
+    ap.add_argument("--gate", action="store_true",
+                    help="fail if any kernel uses stack or local memory, or a forward kernel misses the FMA/smem-byte bar")
+    ap.add_argument("--no-loops", action="store_true", help="skip the SASS main-loop metrics")
     args = ap.parse_args()
     cuobjdump = find_cuobjdump()
-    rows = [r for so in args.so for r in parse(so, cuobjdump)]
+    rows = []
+    for so in args.so:
+        found = parse(so, cuobjdump)
+        if not args.no_loops:
+            loops = loop_metrics(so, cuobjdump)
+            for r in found:
+                r["loop"] = loops.get((r["arch"], r["mangled"]))
+        rows += found
     if not rows:
         print("kernel_report: no flash_ext kernel found (was the extension built with CUDA?)", file=sys.stderr)
         return 1
@@ -141,6 +242,11 @@ def main() -> int:
             f"backward (2 or 3 M + 2N) x head dim x 2 + 2 M x N x 2 bytes (dispatch_bwd.h).  "
             f"CTAs/SM is min(65536 / (registers x threads), smem per SM / smem per CTA).\n\n"
             f"{len(rows)} kernels, {len(bad)} with stack or local memory.\n\n" + head + body)
+    fwd_rows = [r for r in rows if r["kernel"] == "fwd"]  # the main-loop metrics cover the forward kernels
+    starved = [] if args.no_loops else [(r, why) for r in fwd_rows for why in [feed_check(r)] if why]
+    if not args.no_loops:
+        text += "\n" + LOOP_TEXT + loop_table(fwd_rows)
+        print(loop_table(fwd_rows), end="")
     if args.out:
         # Hand-written notes below the marker (measurements such as compile times) survive a regeneration.
         out = pathlib.Path(args.out)
@@ -149,12 +255,14 @@ def main() -> int:
             text += "\n" + old[old.index(NOTES_MARKER):]
         out.write_text(text)
     print(head + body, end="")
-    print(f"{len(rows)} kernels, {len(bad)} with stack/local memory")
-    if args.gate and bad:
+    print(f"{len(rows)} kernels, {len(bad)} with stack/local memory, {len(starved)} failing the feed-rate gate")
+    if args.gate and (bad or starved):
         for r in bad:
             print(f"SPILL: {r['kernel']} sm_{r['arch']} hd{r['hd']} {r['dtype']} {r['flags']}: stack {r['stack']} "
                   f"local {r['local']}",
                   file=sys.stderr)
+        for r, why in starved:
+            print(f"FEED: sm_{r['arch']} hd{r['hd']} {r['dtype']} {r['flags']}: {why}", file=sys.stderr)
         return 1
     return 0
 

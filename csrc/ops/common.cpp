@@ -544,6 +544,8 @@ Plan make_plan(FwdParams const& p, at::Tensor const& q) {
   plan.causal = p.is_causal, plan.local = p.is_local, plan.alibi = p.alibi_slopes_ptr != nullptr;
   plan.softcap = p.softcap > 0, plan.dropout = p.is_dropout;
   plan.window_left = p.window_left, plan.window_right = p.window_right;
+  plan.b = p.b, plan.h = p.h, plan.h_k = p.h_k, plan.seqlen_q = p.seqlen_q, plan.seqlen_k = p.seqlen_k;
+  plan.element_size = int(q.element_size());
 
   // HBM traffic estimate.  flash_ext reads Q once and K/V once per query block of each head (an upper bound:
   // L2 absorbs some), about half of that under a causal mask, and writes O and the fp32 LSE; split-KV adds

@@ -146,6 +146,8 @@ struct Plan {
   bool dropout = false;
   int window_left = -1, window_right = -1;
   int64_t hbm_bytes = 0, naive_hbm_bytes = 0;  // estimates: flash_ext vs attention materialising S and P
+  // The problem as the kernel sees it (after the decode query-group swap), for the roofline model.
+  int b = 0, h = 0, h_k = 0, seqlen_q = 0, seqlen_k = 0, element_size = 0;
 };
 Plan make_plan(FwdParams const& p, at::Tensor const& q);
 std::string plan_to_json(Plan const& plan);

@@ -27,6 +27,8 @@ class DecodeRow:
     sdpa_s: Optional[float] = None
     check: str = "-"
     max_err: Optional[float] = None
+    model_s: Optional[float] = None  # CUDA: the static roofline's predicted step time (flash_ext.roofline)
+    model_bound: Optional[str] = None
 
     @property
     def flash_gbs(self) -> Optional[float]:
@@ -66,8 +68,10 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
         q = torch.randn(b, 1, h, d, dtype=dtype, device=device)
         k_cache = torch.randn(b, sk, hk, d, dtype=dtype, device=device)
         v_cache = torch.randn(b, sk, hk, d, dtype=dtype, device=device)
-        plan = flash_ext.explain(q, k_cache, v_cache, verbose=False).plan
-        row.num_splits = plan.get("num_splits", 1)
+        explained = flash_ext.explain(q, k_cache, v_cache, verbose=False)
+        row.num_splits = explained.plan.get("num_splits", 1)
+        if explained.roofline is not None:  # a GPU the model knows: its prediction next to the measurement
+            row.model_s, row.model_bound = explained.roofline.time, explained.roofline.bound
 
         def flash() -> torch.Tensor:
             return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=sk)
@@ -91,13 +95,15 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
               f"flash_ext {fmt(row.flash_gbs)} GB/s, sdpa {fmt(row.sdpa_gbs)} GB/s", flush=True)
         del q, k_cache, v_cache
         free_device_memory(device)
-    headers = ["b", "h", "hk", "d", "seqlen_k", "splits", "flash GB/s", "sdpa GB/s", "read GB/s", "copy GB/s",
-               "flash/read", "flash/sdpa", "check"]
+    headers = ["b", "h", "hk", "d", "seqlen_k", "splits", "flash GB/s", "model GB/s", "model bound", "sdpa GB/s",
+               "read GB/s", "copy GB/s", "flash/read", "flash/sdpa", "check"]
     table_rows = [[str(b), str(h), str(hk), str(d), str(r.seqlen_k), str(r.num_splits), fmt(r.flash_gbs),
+                   fmt(r.kv_bytes / r.model_s / 1e9 if r.model_s else None), r.model_bound or "-",
                    fmt(r.sdpa_gbs), fmt(read_gbs), fmt(copy_gbs), fmt(r.flash_gbs / read_gbs if r.flash_gbs else None),
                    fmt(r.flash_gbs / r.sdpa_gbs if r.flash_gbs and r.sdpa_gbs else None), r.check] for r in rows]
     return {"_table": format_table(headers, table_rows), "_rows": rows, "copy_gbs": copy_gbs, "read_gbs": read_gbs,
             "rows": [dict(seqlen_k=r.seqlen_k, num_splits=r.num_splits, flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs,
-                          check=r.check, max_err=r.max_err) for r in rows],
+                          check=r.check, max_err=r.max_err, model_s=r.model_s, model_bound=r.model_bound)
+                     for r in rows],
             "method": "GB/s = bytes of K and V read / median step time; read GB/s: a large tensor.sum() in this run "
                       "(the ceiling of a memory-bound step); copy GB/s counts read + write"}

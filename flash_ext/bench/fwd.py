@@ -51,6 +51,8 @@ class FwdRow:
     ratio_best_sdpa: Optional[float] = None
     ratio_sdpa_flash: Optional[float] = None
     ratio_best_sdpa_cpu_time: Optional[float] = None  # CPU device: same ratio from process CPU time
+    model_ms: Optional[float] = None  # CUDA: the static roofline's predicted time (flash_ext.roofline)
+    model_bound: Optional[str] = None  # and the resource it says limits the call
 
 
 def bench_fwd_config(cfg: FwdConfig, device: torch.device, backends: Sequence[str], with_naive: bool,
@@ -62,6 +64,13 @@ def bench_fwd_config(cfg: FwdConfig, device: torch.device, backends: Sequence[st
     shape = (cfg.batch, cfg.seqlen, cfg.nheads, cfg.head_dim)
     q, k, v = (torch.randn(shape, generator=gen).to(device=device, dtype=cfg.dtype) for _ in range(3))
     score_elems = float(cfg.batch) * cfg.nheads * cfg.seqlen * cfg.seqlen
+
+    # The static model's prediction for this GPU, printed next to the measurement so that the first GPU run
+    # calibrates it (None for a GPU the model does not know).
+    if device.type == "cuda":
+        model = flash_ext.explain(q, k, v, causal=cfg.causal, verbose=False).roofline
+        if model is not None:
+            row.model_ms, row.model_bound = model.time * 1e3, model.bound
 
     # flash_ext: correctness guard first; a wrong result gets no speed.
     try:
@@ -169,7 +178,9 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device, matmul_peak: Option
     # Only columns in which something was measured (or which failed in an interesting way).
     shown = [c for c in impl_cols if any(c in r.impls and r.impls[c].status not in ("skip",) for r in rows)]
     cpu = device.type == "cpu"
-    headers = ["dtype", "b", "s", "h", "d", "causal", "flash ms"] + [f"{c} TF/s" for c in shown] + [
+    model = any(r.model_ms is not None for r in rows)
+    headers = ["dtype", "b", "s", "h", "d", "causal", "flash ms"] + (
+        ["model ms", "model bound", "x model"] if model else []) + [f"{c} TF/s" for c in shown] + [
         "best sdpa", "x best", "x sdpa:flash"] + (["x best (cpu time)"] if cpu else []) + (
         ["/ matmul"] if matmul_peak else []) + ["max err", "check"]
     table_rows = []
@@ -177,6 +188,10 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device, matmul_peak: Option
         cells = [r.dtype, str(r.batch), str(r.seqlen), str(r.nheads), str(r.head_dim), "Y" if r.causal else "N"]
         fl = r.impls.get("flash_ext")
         cells.append(fmt(fl.median_s * 1e3, 4) if fl is not None and fl.median_s is not None else "-")
+        if model:  # x model = measured / predicted time: 1.0 means the model's bound is reached
+            measured = fl.median_s * 1e3 if fl is not None and fl.median_s is not None else None
+            cells += [fmt(r.model_ms, 4), r.model_bound or "-",
+                      fmt(measured / r.model_ms) if measured is not None and r.model_ms else "-"]
         for c in shown:
             ir = r.impls.get(c)
             if ir is None:
