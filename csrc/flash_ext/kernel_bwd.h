@@ -277,14 +277,6 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
       dsum(i) = in ? params.softmax_d_ptr[row_stats + r] : 0.f;
     }
 
-    // This tile's keep bits (the forward's mask of query head bidh), generated before the GEMMs: they depend
-    // only on coordinates, so the integer work overlaps the tensor cores.
-    DropoutBits<Traits, AccSLayout> keep;
-    if (flags.dropout) {
-      DropoutRng const rng = DropoutRng::make(seed_offset, bidb, bidh, params.h, params.dropout_threshold);
-      keep = dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN);
-    }
-
     // dP = dO V^T, then S = Q K^T (dP first: the softcap derivative is folded into it while S is at hand).
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
     clear(acc_dp);
@@ -301,6 +293,15 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     Tensor dp = acc_rowcol<Traits::kAccValCols>(acc_dp);                                     // (ROWS,COLS)
+
+    // This tile's keep bits (the forward's mask of query head bidh).  Generated after the GEMMs, not beside
+    // them: interleaved with the GEMMs, the Philox state was live next to the operand fragments and the sm_90
+    // dropout kernel spilled.  Only the packed bits stay live until dV's operand below.
+    DropoutBits<Traits, AccSLayout> keep;
+    if (flags.dropout) {
+      DropoutRng const rng = DropoutRng::make(seed_offset, bidb, bidh, params.h, params.dropout_threshold);
+      keep = dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN);
+    }
 
     // Dropout: out = (P o keep) V / (1 - p), so the gradient reaching P is dO V^T o keep / (1 - p).
     if (flags.dropout) {
