@@ -1,6 +1,6 @@
 """Benchmarks for flash_ext: forward throughput and peak memory.
 
-Run ``python -m flash_ext.bench --help`` for every option.  Two modes:
+Run ``python -m flash_ext.bench --help`` for every option.  Modes (``decode`` and ``ring``: see their modules):
 
 ``fwd`` (default)
     Forward throughput in TFLOP/s of ``flash_ext.flash_attn_func`` against
@@ -51,6 +51,13 @@ Run ``python -m flash_ext.bench --help`` for every option.  Two modes:
     seqlen 1k .. 8k.  A naive point that would need more than 70 % of the available RAM (CPU) is
     skipped, and an out-of-memory error (CUDA) is reported as OOM.
 
+``ring``
+    Ring attention (``flash_ext.distributed``) on this machine: ``--world`` CPU processes (default 2) joined by
+    gloo over localhost; per ring step the local attention time, the communication still exposed after it, the
+    same exchange timed alone and the overlap achieved, forward and (when the build has it) backward; layouts
+    contiguous causal, zigzag causal and contiguous non-causal.  Default: bf16, batch 1, 8 heads, head_dim 64,
+    seqlen 2048 and 4096 in total, ``cores // world`` threads per rank.  CPU gloo is not a GPU link.
+
 Output: the results table is printed last; ``--json PATH`` writes every result together with the date,
 the git commit, the device name, the torch version, the thread count and the load average;
 ``--plot PATH.png`` draws the results if matplotlib is installed.
@@ -64,6 +71,7 @@ from .common import attention_flops, check_against_sdpa_math, naive_attention, t
 from .fwd import FwdConfig, run_fwd
 from .memory import measure_peak_extra_memory, run_memory
 from .decode import run_decode
+from .ring import run_ring
 from .cli import main
 
 __all__ = [
@@ -76,5 +84,6 @@ __all__ = [
     "run_fwd",
     "run_memory",
     "run_decode",
+    "run_ring",
     "main",
 ]

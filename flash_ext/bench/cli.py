@@ -15,6 +15,7 @@ from .decode import run_decode
 from .fwd import run_fwd
 from .memory import run_memory
 from .plot import plot
+from .ring import run_ring
 
 
 
@@ -24,8 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="flash_ext benchmarks: forward TFLOP/s against torch SDPA backends and naive attention "
                     "(fwd), or peak extra memory against seqlen (memory).  See the module docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "memory", "decode"],
-                   help="what to measure (decode: GB/s of K/V read per decode step vs device copy and SDPA)")
+    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "memory", "decode", "ring"],
+                   help="what to measure (decode: GB/s of K/V read per decode step vs device copy and SDPA; "
+                        "ring: ring attention over gloo on this machine, per-step compute / communication / overlap)")
+    p.add_argument("--world", type=int, default=2, help="ring: number of processes (ranks)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda if a GPU is visible and the build has CUDA kernels, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -78,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and not build.get("cuda", False):
         print("warning: this flash_ext build has no CUDA kernels; flash_ext rows will show ERR", flush=True)
 
-    runners = {"fwd": run_fwd, "memory": run_memory, "decode": run_decode}
+    runners = {"fwd": run_fwd, "memory": run_memory, "decode": run_decode, "ring": run_ring}
     result = runners[args.mode](args, device)
     meta["loadavg_end"] = loadavg()
     table = result.pop("_table")
@@ -89,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, **result}, f, indent=2, default=str)
         print(f"wrote {args.json}")
-    if args.plot and args.mode != "decode":
+    if args.plot and args.mode not in ("decode", "ring"):
         note = plot(args.mode, {"_rows": rows}, meta, args.plot)
         print(note if note else f"wrote {args.plot}")
 

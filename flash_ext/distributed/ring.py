@@ -30,7 +30,10 @@ _KV_TAG = 0x6B76
 _GRAD_TAG = 0x646B
 
 # Optional per-step event hook for the benchmark (python -m flash_ext.bench ring): called as
-# hook(event, step) with event in {"posted", "computed", "received"}.  None in normal use (no cost).
+# hook(event, step) with event "posted" (the step's exchange issued), "computed" (its local calls done),
+# "wait" / "waited" (around each wait for a transfer; the backward's final wait for this rank's own dK/dV,
+# after the last step, is traced as step W).
+# None in normal use (no cost).
 _trace_hook: Optional[Callable[[str, int], None]] = None
 
 
@@ -68,7 +71,8 @@ class _Pending:
     def __init__(self, works: Sequence[dist.Work], what: str, ring: "Ring"):
         self.works, self.what, self.ring = works, what, ring
 
-    def wait(self) -> None:
+    def wait(self, step: int) -> None:
+        _trace("wait", step)
         try:
             for w in self.works:
                 w.wait()
@@ -78,6 +82,7 @@ class _Pending:
                 f"flash_ext.distributed: {self.what} failed on rank {r.rank} of {r.world_size} in the ring group "
                 f"(sending to rank {r.next}, receiving from rank {r.prev}): {exc}. A peer rank probably failed or "
                 f"stopped taking part in the ring; the wait is bounded by the process group's timeout.") from exc
+        _trace("waited", step)
 
 
 class Ring:
@@ -140,10 +145,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
             merge_partial_(_rows(out, blk.q_rows), lse[:, :, blk.q_rows[0]:blk.q_rows[1]], o_s, lse_s)
         _trace("computed", step)
         if pending is not None:
-            pending.wait()
+            pending.wait(step)
             # The shard just computed on becomes the next receive buffer, unless it is the caller's k/v.
             cur, spare = spare, (cur if step > 0 else None)
-        _trace("received", step)
     return finalize(out, lse, q.dtype)
 
 
@@ -209,7 +213,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             parts.append((blk.k_rows, dk_b, dv_b))
         _trace("computed", step)
         if grad_pending is not None:
-            grad_pending.wait()
+            grad_pending.wait(step)
         dk_acc, dv_acc = acc[held]
         for rows, dk_b, dv_b in parts:
             _rows(dk_acc, rows).add_(dk_b)
@@ -222,11 +226,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             grad_pending = ring.exchange(acc[held], acc[1 - held], _GRAD_TAG, what)
             held = 1 - held
         if kv_pending is not None:
-            kv_pending.wait()
+            kv_pending.wait(step)
             cur, spare = spare, (cur if step > 0 else None)
-        _trace("received", step)
     if grad_pending is not None:
-        grad_pending.wait()
+        grad_pending.wait(w)  # traced as a step of its own: the return hop of this rank's accumulators
     dk, dv = acc[held]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
