@@ -53,27 +53,30 @@ def _median_steps(runs: List[List[Dict[str, float]]]) -> List[Dict[str, float]]:
 
 def _timed_call(fn) -> tuple:
     """Runs fn() under the ring's tracing hook; returns (fn's result, per-step durations in seconds: "compute"
-    from the step's exchange being issued to its local calls being done, "wait" the time spent in waits for
-    transfers, and the call's total)."""
+    from the step's exchange being issued to its local calls being done, "compute_cpu" the CPU time of this
+    thread over the same span (the attention runs on it with one torch thread), "wait" the time spent in waits
+    for transfers, and the call's total)."""
     from flash_ext.distributed.ring import tracing
 
     marks: List[tuple] = []
 
     def hook(event: str, step: int) -> None:
-        marks.append((event, step, time.perf_counter()))
+        marks.append((event, step, time.perf_counter(), time.thread_time()))
 
     with tracing(hook):
         t0 = time.perf_counter()
         result = fn()
         total = time.perf_counter() - t0
-    steps = sorted({s for _, s, _ in marks})
-    at = {(e, s): t for e, s, t in marks if e in ("posted", "computed")}
+    steps = sorted({m[1] for m in marks})
+    at = {(e, s): (t, c) for e, s, t, c in marks if e in ("posted", "computed")}
     per_step = []
     for s in steps:
-        begins = [t for e, st, t in marks if st == s and e == "wait"]
-        ends = [t for e, st, t in marks if st == s and e == "waited"]
-        compute = at[("computed", s)] - at[("posted", s)] if ("computed", s) in at else 0.0
-        per_step.append({"compute": compute, "wait": sum(b - a for a, b in zip(begins, ends))})
+        begins = [t for e, st, t, _ in marks if st == s and e == "wait"]
+        ends = [t for e, st, t, _ in marks if st == s and e == "waited"]
+        done, start = at.get(("computed", s)), at.get(("posted", s))
+        per_step.append({"compute": done[0] - start[0] if done else 0.0,
+                         "compute_cpu": done[1] - start[1] if done else 0.0,
+                         "wait": sum(b - a for a, b in zip(begins, ends))})
     return result, per_step, total
 
 
@@ -183,8 +186,8 @@ def run_ring(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     has_bwd = per_rank[0]["has_bwd"]
     if not has_bwd:
         notes.append("backward not measured: this build has no flash_ext::bwd op")
-    headers = ["seqlen", "s_local", "layout", "pass", "step", "compute ms", "exposed comm ms", "comm alone ms",
-               "overlap", "MB sent/rank", "min..max compute ms"]
+    headers = ["seqlen", "s_local", "layout", "pass", "step", "compute ms", "compute cpu ms", "exposed comm ms",
+               "comm alone ms", "overlap", "MB sent/rank", "min..max compute ms"]
     table_rows, rows = [], []
     for i, base in enumerate(per_rank[0]["results"]):
         for phase in ("fwd", "bwd") if has_bwd else ("fwd",):
@@ -194,6 +197,7 @@ def run_ring(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
                 # communication (a faster rank's wait also contains the imbalance)
                 slowest = max(per_rank, key=lambda pr: pr["results"][i][f"{phase}_steps"][s]["compute"])
                 compute = slowest["results"][i][f"{phase}_steps"][s]["compute"]
+                compute_cpu = slowest["results"][i][f"{phase}_steps"][s]["compute_cpu"]
                 wait = slowest["results"][i][f"{phase}_steps"][s]["wait"]
                 if s == nsteps:  # the return hop: the rank that finished last waits the least, the transfer alone
                     wait = min(pr["results"][i][f"{phase}_steps"][s]["wait"] for pr in per_rank)
@@ -206,17 +210,18 @@ def run_ring(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
                 sent = (base["kv_bytes"] if kv else 0) + (base["grad_bytes"] if phase == "bwd" and s < nsteps else 0)
                 overlap = max(0.0, min(1.0, 1 - wait / alone)) if alone > 0 else None
                 rows.append(dict(seqlen=base["seqlen"], layout=base["layout"], phase=phase, step=s, compute=compute,
-                                 exposed=wait, comm_alone=alone or None, overlap=overlap, bytes_sent=sent))
+                                 compute_cpu=compute_cpu, exposed=wait, comm_alone=alone or None, overlap=overlap, bytes_sent=sent))
                 spread = [pr["results"][i][f"{phase}_steps"][s]["compute"] for pr in per_rank]
                 table_rows.append([str(base["seqlen"]), str(base["s_local"]), base["layout"], phase,
                                    str(s) if s < nsteps else "return",
-                                   fmt(1e3 * compute) if s < nsteps else "-", fmt(1e3 * wait),
+                                   fmt(1e3 * compute) if s < nsteps else "-",
+                                   fmt(1e3 * compute_cpu) if s < nsteps else "-", fmt(1e3 * wait),
                                    fmt(1e3 * alone) if alone else "-",
                                    fmt(overlap) if overlap is not None else "-", fmt(sent / 1e6),
                                    f"{fmt(1e3 * min(spread))}..{fmt(1e3 * max(spread))}" if s < nsteps else ""])
             total = max(pr["results"][i][f"{phase}_total"] for pr in per_rank)
             table_rows.append([str(base["seqlen"]), str(base["s_local"]), base["layout"], phase, "call",
-                               fmt(1e3 * total), "", "", "", "", ""])
+                               fmt(1e3 * total), "", "", "", "", "", ""])
         if base["layout"] == cfg["layouts"][0]:
             notes.append(f"seqlen {base['seqlen']}: argument check (one all_gather per call) "
                          f"{1e3 * base['check']:.3f} ms; K/V exchange alone {1e3 * base['kv_alone']:.2f} ms")
