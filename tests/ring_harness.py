@@ -32,8 +32,8 @@ def positions(rank: int, world: int, s_local: int, zigzag: bool) -> torch.Tensor
     return torch.cat([c[rank], c[2 * world - 1 - rank]])
 
 
-def shard(x: torch.Tensor, rank: int, world: int, zigzag: bool) -> torch.Tensor:
-    return x[:, positions(rank, world, x.shape[1] // world, zigzag)].contiguous()
+def shard(x: torch.Tensor, rank: int, world: int, zigzag: bool, dim: int = 1) -> torch.Tensor:
+    return x.index_select(dim, positions(rank, world, x.shape[dim] // world, zigzag)).contiguous()
 
 
 def unshard(parts: List[torch.Tensor], zigzag: bool, dim: int = 1) -> torch.Tensor:
@@ -136,7 +136,8 @@ def run(world: int, stages: List[tuple], deadline_s: float = 120.0,
 def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Every case on this rank, in order.  A case: ``fn`` (a flash_ext.distributed function name), ``zigzag``,
     ``packing`` ("qkv", "kv" or None), full-sequence ``q``, ``k``, ``v``, ``dout`` (or per-subgroup lists of
-    them with ``subgroups``: lists of global ranks, each its own ring), ``kwargs``, ``backward``.  Returns per
+    them with ``subgroups``: lists of global ranks, each its own ring), ``kwargs``, ``backward`` (``lse_grad``:
+    the loss also uses the LSE, with upstream gradient ``dlse``).  Returns per
     case ``out``, ``lse`` and (backward) ``dq``, ``dk``, ``dv`` of this rank's shards, or ``error``
     (type name and message) when the call raised and the case has ``expect_error``."""
     import torch.distributed as dist
@@ -187,7 +188,17 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[s
             continue
         res["out"], res["lse"] = out.detach(), lse.detach()
         if case["backward"]:
-            grads = torch.autograd.grad(out, grad_of, shard(data["dout"], g_rank, g_world, zz))
+            outputs, upstream = [out], [shard(data["dout"], g_rank, g_world, zz)]
+            if case.get("lse_grad"):  # a loss that uses the returned LSE too
+                outputs.append(lse)
+                upstream.append(shard(data["dlse"], g_rank, g_world, zz, dim=2))
+            try:
+                grads = torch.autograd.grad(outputs, grad_of, upstream)
+            except Exception as exc:
+                if not case.get("expect_error"):
+                    raise
+                results.append({"error": (type(exc).__name__, str(exc))})
+                continue
             if case["packing"] == "qkv":
                 grads = grads[0].unbind(2)
             elif case["packing"] == "kv":

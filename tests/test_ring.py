@@ -30,6 +30,8 @@ from flash_ext.reference import attention_ref
 
 _HAS_BWD = hasattr(torch.ops.flash_ext, "bwd")
 _NO_BWD = "flash_ext::bwd is not in this build (the backward issue #12 has not landed)"
+# whether the backward op takes the gradient of the LSE (then the ring passes it through, else refuses it)
+_HAS_DLSE = _HAS_BWD and "dsoftmax_lse" in str(torch.ops.flash_ext.bwd.default._schema)
 
 
 def _case(name: str, world: int, fn: str, *, s_q: int, s_k: int = None, b: int = 1, h: int = 2, hk: int = None,
@@ -40,7 +42,8 @@ def _case(name: str, world: int, fn: str, *, s_q: int, s_k: int = None, b: int =
     data = {"q": torch.randn(b, world * s_q, h, d, generator=g).to(dtype),
             "k": torch.randn(b, world * s_k, hk, d, generator=g).to(dtype),
             "v": torch.randn(b, world * s_k, hk, d, generator=g).to(dtype),
-            "dout": torch.randn(b, world * s_q, h, d, generator=g).to(dtype)}
+            "dout": torch.randn(b, world * s_q, h, d, generator=g).to(dtype),
+            "dlse": torch.randn(b, h, world * s_q, generator=g)}
     return dict(name=name, fn=fn, zigzag=fn.startswith("zigzag"), packing=packing, kwargs=kwargs,
                 backward=backward and _HAS_BWD, **data)
 
@@ -68,6 +71,9 @@ def _cases(world: int) -> List[Dict[str, Any]]:
         _case("ring causal sq>sk empty rows bf16", world, ring, s_q=40, s_k=16, causal=True),
         _case("zigzag causal sq<sk fp16", world, zz, s_q=12, s_k=30, dtype=torch.float16, causal=True),
         _case("ring window fp32 b3", world, ring, b=3, s_q=21, dtype=torch.float32, window_size=(5, 3)),
+        # a loss that uses the returned LSE: passed to the backward op when it takes it, refused otherwise
+        dict(_case("zigzag causal lse-grad gqa bf16", world, zz, s_q=24, h=4, hk=2, causal=True),
+             lse_grad=True, expect_error=_HAS_BWD and not _HAS_DLSE),
     ]
     if world == 4:
         sub = _case("subgroups ring causal bf16", 2, ring, s_q=29, causal=True)
@@ -116,7 +122,8 @@ def _mask_kwargs(case):
 
 
 def _valid_cases(world):
-    return [c["name"] for c in _cases(world) if not c.get("expect_error") and not c.get("subgroups")]
+    return [c["name"] for c in _cases(world)
+            if not c.get("expect_error") and not c.get("subgroups") and not c.get("lse_grad")]
 
 
 CASE_NAMES = sorted(set(_valid_cases(2)))
@@ -180,6 +187,46 @@ def test_gradients_match_full_sequence(ring_run, name):
         bound = 3 * res[n][1] + GRAD_FLOOR[q.dtype] * scale
         diff = (g.double() - g_fx.double()).abs().max().item()
         assert diff <= bound, f"{ctx}: max|{n} ring - flash_ext| = {diff:.3e} > {bound:.3e}"
+
+
+def _loss_grads(q, k, v, dout, dlse, upcast: bool, **kw):
+    """Gradients of sum(out * dout) + sum(lse * dlse) through the plain PyTorch reference (float64 when
+    ``upcast``, else the same-dtype framework arithmetic)."""
+    dtype = torch.float64 if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, upcast=upcast, **kw)
+    return torch.autograd.grad([out, lse], leaves, [dout.to(out.dtype), dlse.to(lse.dtype)])
+
+
+def test_lse_gradient(ring_run):
+    """A loss that uses the returned LSE: the ring hands dLSE to every call (d LSE_i / d s_ij = P_ij with the
+    global P), so the gradients must pass the backward rule; a backward op without dsoftmax_lse refuses it."""
+    if not _HAS_BWD:
+        pytest.skip(_NO_BWD)
+    world, case, per_rank, i, results = _lookup(ring_run, "zigzag causal lse-grad gqa bf16")
+    if not _HAS_DLSE:
+        for r, res in enumerate(per_rank):
+            kind, msg = res["error"]
+            assert kind == "NotImplementedError" and "softmax_lse" in msg, (r, msg)
+        return
+    from grad_check import GRAD_FLOOR
+
+    grads = [_full(case, results, i, n) for n in ("dq", "dk", "dv")]
+    q, k, v, dout, dlse = case["q"], case["k"], case["v"], case["dout"], case["dlse"]
+    kw = _mask_kwargs(case)
+    ref64 = _loss_grads(q, k, v, dout, dlse, True, **kw)
+    ref_pt = _loss_grads(q, k, v, dout, dlse, False, **kw)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fx_out, fx_lse, _ = flash_ext.flash_attn_func(*leaves, return_attn_probs=True, **kw)
+    fx = torch.autograd.grad([fx_out, fx_lse], leaves, [dout, dlse])
+    scale = max(g.abs().max().item() for g in ref64)
+    for n, g, g64, gpt, gfx in zip(("dq", "dk", "dv"), grads, ref64, ref_pt, fx):
+        assert not torch.isnan(g).any(), n
+        bound = 3 * (gpt.double() - g64).abs().max().item() + GRAD_FLOOR[q.dtype] * scale
+        err = (g.double() - g64).abs().max().item()
+        assert err <= bound, f"world {world}: max|{n} - ref64| = {err:.3e} > {bound:.3e}"
+        diff = (g.double() - gfx.double()).abs().max().item()
+        assert diff <= bound, f"world {world}: max|{n} ring - flash_ext| = {diff:.3e} > {bound:.3e}"
 
 
 def test_subgroups(ring_run):
