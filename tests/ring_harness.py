@@ -161,6 +161,8 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[s
         perturb = case.get("perturb", {}).get(rank)  # one rank's bad or mismatched arguments
         if perturb == "shorter_q":
             q = q[:, :-2]
+        elif perturb == "head_dim_plus_2":  # pads to the same multiple of 8: same K/V bytes, other meaning
+            q, k, v = (torch.cat([t, torch.zeros(*t.shape[:-1], 2, dtype=t.dtype)], dim=-1) for t in (q, k, v))
         elif perturb == "head_dim_300":
             q, k, v = (torch.zeros(*t.shape[:-1], 300, dtype=t.dtype) for t in (q, k, v))
         elif perturb is not None:

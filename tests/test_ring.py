@@ -61,6 +61,8 @@ def _cases(world: int) -> List[Dict[str, Any]]:
              expect_error=True),
         dict(_case("invalid head dim", world, ring, s_q=12, backward=False), perturb={0: "head_dim_300"},
              expect_error=True),
+        dict(_case("mismatched head dim", world, zz, s_q=12, d=40, backward=False), perturb={1: "head_dim_plus_2"},
+             expect_error=True),
         dict(_case("dropout", world, zz, s_q=12, dropout_p=0.1, backward=False), expect_error=True),
         _case("zigzag causal qkvpacked bf16", world, "zigzag_ring_flash_attn_qkvpacked_func", s_q=30, packing="qkv",
               causal=True),
@@ -258,6 +260,8 @@ def test_bad_arguments_on_one_rank_fail_every_rank(ring_run):
             assert "head_dim" in msg and "300" in msg, msg
         else:
             assert "rank(s) [0]" in msg, msg
+        kind, msg = results[r][by_name["mismatched head dim"]]["error"]
+        assert kind == "ValueError" and "different arguments" in msg and "head_dim=42" in msg, (r, msg)
         kind, msg = results[r][by_name["dropout"]]["error"]
         assert kind == "NotImplementedError" and "dropout_p=0.1" in msg and "rng_state" in msg, (r, msg)
     # the cases after the refused ones ran on the same group (checked by the forward tests)

@@ -116,11 +116,14 @@ def _local_errors(q, k, v, dropout_p, window_size, alibi_slopes, zigzag: bool) -
     return errors, unsupported
 
 
-def _signature(ok: bool, q, k, softmax_scale: float, causal: bool, window_size, softcap: float,
+def _signature(ok: bool, q, k, head_dim: int, softmax_scale: float, causal: bool, window_size, softcap: float,
                deterministic: bool, zigzag: bool) -> List[float]:
+    """What every rank must agree on (the caller's head dim, not the padded one: two head dims that pad to the
+    same size would exchange K/V of the same shape but mean different things)."""
     if not ok:
         return [0.0] + [-1.0] * 14
-    return [1.0, *map(float, q.shape), *map(float, k.shape[1:3]), float(_DTYPE_CODES.get(q.dtype, 0)),
+    return [1.0, *map(float, q.shape[:3]), float(head_dim), *map(float, k.shape[1:3]),
+            float(_DTYPE_CODES.get(q.dtype, 0)),
             float(softmax_scale), float(causal), float(window_size[0]), float(window_size[1]), float(softcap),
             float(deterministic), float(zigzag)]
 
@@ -155,7 +158,7 @@ def _ring_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         errors += list(plan.get("reasons", [])) if not plan.get("ok", False) else []
     ok = not errors and not unsupported
     if os.environ.get("FLASH_EXT_RING_TRUST_ARGS", "0") != "1":
-        sig = _signature(ok, q, k, softmax_scale, causal, window_size, softcap, deterministic, zigzag)
+        sig = _signature(ok, q, k, head_dim, softmax_scale, causal, window_size, softcap, deterministic, zigzag)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         try:
             everyone = _agree(group, device, sig)
