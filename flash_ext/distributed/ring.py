@@ -205,10 +205,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dq_b = torch.empty_like(q[:, qs])
             dk_b = torch.empty_like(k[:, blk.k_rows[0]:blk.k_rows[1]])
             dv_b = torch.empty_like(dk_b)
-            extra = () if dlse is None else (dlse[:, :, qs],)
+            extra = {} if dlse is None else {"dsoftmax_lse": dlse[:, :, qs]}
             bwd(dout[:, qs], q[:, qs], _rows(cur[0], blk.k_rows), _rows(cur[1], blk.k_rows), out[:, qs],
                 lse[:, :, qs], dq_b, dk_b, dv_b, 0.0, spec.softmax_scale, blk.causal, blk.window[0], blk.window[1],
-                spec.softcap, None, spec.deterministic, None, *extra)
+                spec.softcap, None, spec.deterministic, rng_state=None, **extra)
             dq[:, qs] += dq_b
             parts.append((blk.k_rows, dk_b, dv_b))
         _trace("computed", step)
