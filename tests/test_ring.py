@@ -24,7 +24,7 @@ import torch
 
 import flash_ext
 import ring_harness
-from attn_check import check_close
+from attn_check import LSE_FLOOR, OUT_FLOOR, check_close
 from conftest import head_dim_skip_reason
 from flash_ext.reference import attention_ref
 
@@ -44,6 +44,9 @@ def _case(name: str, world: int, fn: str, *, s_q: int, s_k: int = None, b: int =
             "v": torch.randn(b, world * s_k, hk, d, generator=g).to(dtype),
             "dout": torch.randn(b, world * s_q, h, d, generator=g).to(dtype),
             "dlse": torch.randn(b, h, world * s_q, generator=g)}
+    if name.endswith("nan bf16"):
+        data["q"][0, world * s_q // 2 + 1, 1] = float("nan")  # one query row
+        data["k"][0, 3, 0] = float("nan")                      # one key, seen by every row from position 3 on
     return dict(name=name, fn=fn, zigzag=fn.startswith("zigzag"), packing=packing, kwargs=kwargs,
                 backward=backward and _HAS_BWD, **data)
 
@@ -73,6 +76,8 @@ def _cases(world: int) -> List[Dict[str, Any]]:
         _case("ring causal sq>sk empty rows bf16", world, ring, s_q=40, s_k=16, causal=True),
         _case("zigzag causal sq<sk fp16", world, zz, s_q=12, s_k=30, dtype=torch.float16, causal=True),
         _case("ring window fp32 b3", world, ring, b=3, s_q=21, dtype=torch.float32, window_size=(5, 3)),
+        # NaN in one query row and in one key: the same rows as single-process flash_ext become NaN
+        dict(_case("ring causal nan bf16", world, ring, s_q=20, causal=True, backward=False), nan=True),
         # a loss that uses the returned LSE: passed to the backward op when it takes it, refused otherwise
         dict(_case("zigzag causal lse-grad gqa bf16", world, zz, s_q=24, h=4, hk=2, causal=True),
              lse_grad=True, expect_error=_HAS_BWD and not _HAS_DLSE),
@@ -125,7 +130,7 @@ def _mask_kwargs(case):
 
 def _valid_cases(world):
     return [c["name"] for c in _cases(world)
-            if not c.get("expect_error") and not c.get("subgroups") and not c.get("lse_grad")]
+            if not c.get("expect_error") and not c.get("subgroups") and not c.get("lse_grad") and not c.get("nan")]
 
 
 CASE_NAMES = sorted(set(_valid_cases(2)))
@@ -189,6 +194,41 @@ def test_gradients_match_full_sequence(ring_run, name):
         bound = 3 * res[n][1] + GRAD_FLOOR[q.dtype] * scale
         diff = (g.double() - g_fx.double()).abs().max().item()
         assert diff <= bound, f"{ctx}: max|{n} ring - flash_ext| = {diff:.3e} > {bound:.3e}"
+
+
+def test_nan_rows_match_single_process(ring_run):
+    """NaN in one query row and one key: exactly the rows with a NaN score get NaN out and LSE (the merge keeps
+    a NaN partial, as the split-KV combine does), as single-process flash_ext documents and gives; the other
+    rows pass the forward rule against the reference on the same inputs with the NaNs zeroed (no NaN score
+    reaches those rows)."""
+    from flash_ext.reference import visibility_mask
+
+    world, case, per_rank, i, results = _lookup(ring_run, "ring causal nan bf16")
+    out = _full(case, results, i, "out")
+    lse = _full(case, results, i, "lse", dim=2)
+    q, k, v = case["q"], case["k"], case["v"]
+    b, s, h, _ = q.shape
+    group = h // k.shape[2]
+    visible = visibility_mask(s, k.shape[1], causal=True)                          # (s, s_k)
+    q_nan = torch.isnan(q).any(-1).transpose(1, 2)                                 # (b, h, s)
+    k_nan = torch.isnan(k).any(-1).repeat_interleave(group, dim=2).transpose(1, 2)  # (b, h, s_k)
+    nan_rows = (q_nan & visible.any(1)) | (visible & k_nan[:, :, None, :]).any(-1)
+    assert nan_rows.any() and not nan_rows.all()
+    fx_out, fx_lse, _ = flash_ext.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    nan_out = nan_rows.transpose(1, 2).unsqueeze(-1).expand_as(out)
+    for name, o, l in (("ring", out, lse), ("single-process flash_ext", fx_out, fx_lse)):
+        assert torch.equal(torch.isnan(l), nan_rows), f"world {world}: {name} lse NaN rows"
+        assert torch.equal(torch.isnan(o), nan_out), f"world {world}: {name} out NaN rows"
+    clean = [torch.nan_to_num(t, nan=0.0) for t in (q, k, v)]
+    ref, ref_lse = attention_ref(*clean, causal=True)
+    same, same_lse = attention_ref(*clean, causal=True, upcast=False)
+    ok = ~nan_out
+    err = (out.double() - ref)[ok].abs().max().item()
+    bound = 2 * (same.double() - ref)[ok].abs().max().item() + OUT_FLOOR[q.dtype]
+    assert err <= bound, f"world {world}: out error {err:.3e} > {bound:.3e} on the rows without NaN"
+    err = (lse.double() - ref_lse)[~nan_rows].abs().max().item()
+    bound = 2 * (same_lse.double() - ref_lse)[~nan_rows].abs().max().item() + LSE_FLOOR[q.dtype]
+    assert err <= bound, f"world {world}: lse error {err:.3e} > {bound:.3e} on the rows without NaN"
 
 
 def _loss_grads(q, k, v, dout, dlse, upcast: bool, **kw):
