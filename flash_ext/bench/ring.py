@@ -208,7 +208,7 @@ def run_ring(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
                 grad_in = phase == "bwd" and s > 0
                 alone = (base["kv_alone"] if kv else 0.0) + (base["grad_alone"] if grad_in else 0.0)
                 sent = (base["kv_bytes"] if kv else 0) + (base["grad_bytes"] if phase == "bwd" and s < nsteps else 0)
-                overlap = max(0.0, min(1.0, 1 - wait / alone)) if alone > 0 else None
+                overlap = max(0.0, min(1.0, 1 - wait / alone)) if alone > 0 and s < nsteps else None
                 rows.append(dict(seqlen=base["seqlen"], layout=base["layout"], phase=phase, step=s, compute=compute,
                                  compute_cpu=compute_cpu, exposed=wait, comm_alone=alone or None, overlap=overlap, bytes_sent=sent))
                 spread = [pr["results"][i][f"{phase}_steps"][s]["compute"] for pr in per_rank]
