@@ -1,6 +1,6 @@
 """Benchmarks for flash_ext: forward throughput and peak memory.
 
-Run ``python -m flash_ext.bench --help`` for every option.  Modes:
+Run ``python -m flash_ext.bench --help`` for every option.  Modes (``decode`` and ``ring``: see their modules):
 
 ``fwd`` (default)
     Forward throughput in TFLOP/s of ``flash_ext.flash_attn_func`` against
@@ -62,6 +62,12 @@ Run ``python -m flash_ext.bench --help`` for every option.  Modes:
     The cost of dropout: forward time with ``--dropout-p`` (default 0.1) / without, alternating calls in
     one run, with a correctness guard against the element-wise mask; SDPA's dropout alongside.  See
     ``dropout.py``.
+``ring``
+    Ring attention (``flash_ext.distributed``) on this machine: ``--world`` CPU processes (default 2) joined by
+    gloo over localhost; per ring step the local attention time, the communication still exposed after it, the
+    same exchange timed alone and the overlap achieved, forward and (when the build has it) backward; layouts
+    contiguous causal, zigzag causal and contiguous non-causal.  Default: bf16, batch 1, 8 heads, head_dim 64,
+    seqlen 2048 and 4096 in total, ``cores // world`` threads per rank.  CPU gloo is not a GPU link.
 
 Output: the results table is printed last; ``--json PATH`` writes every result together with the date,
 the git commit, the device name, the torch version, the thread count and the load average;
@@ -78,6 +84,7 @@ from .fwd import FwdConfig, run_fwd
 from .memory import measure_peak_extra_memory, run_memory
 from .decode import run_decode
 from .dropout import run_dropout
+from .ring import run_ring
 from .cli import main
 
 __all__ = [
@@ -92,5 +99,6 @@ __all__ = [
     "run_memory",
     "run_decode",
     "run_dropout",
+    "run_ring",
     "main",
 ]

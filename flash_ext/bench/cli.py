@@ -17,6 +17,7 @@ from .dropout import run_dropout
 from .fwd import run_fwd
 from .memory import run_memory
 from .plot import plot
+from .ring import run_ring
 
 
 
@@ -26,12 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="flash_ext benchmarks: forward, backward or forward+backward TFLOP/s against torch SDPA "
                     "backends and naive attention (fwd, bwd, fwd+bwd), peak extra memory against seqlen (memory, "
                     "--backward for a training step), decode-step K/V bandwidth (decode), or the cost of dropout "
-                    "(dropout).  See the module docstring.",
+                    "(dropout), ring attention over gloo (ring).  See the module docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="fwd", choices=["fwd", "bwd", "fwd+bwd", "memory", "decode", "dropout"],
+    p.add_argument("mode", nargs="?", default="fwd",
+                   choices=["fwd", "bwd", "fwd+bwd", "memory", "decode", "dropout", "ring"],
                    help="what to measure (bwd / fwd+bwd: the backward alone / forward + backward; decode: GB/s of "
                         "K/V read per decode step vs device copy and SDPA; dropout: forward time with dropout / "
-                        "without, same run)")
+                        "without, same run; ring: ring attention over gloo on this machine, per-step compute / "
+                        "communication / overlap)")
+    p.add_argument("--world", type=int, default=2, help="ring: number of processes (ranks)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda if a GPU is visible and the build has CUDA kernels, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -94,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("warning: this flash_ext build has no CUDA kernels; flash_ext rows will show ERR", flush=True)
 
     runners = {"fwd": run_fwd, "bwd": run_bwd, "fwd+bwd": run_bwd, "memory": run_memory, "decode": run_decode,
-               "dropout": run_dropout}
+               "dropout": run_dropout, "ring": run_ring}
     result = runners[args.mode](args, device)
     meta["loadavg_end"] = loadavg()
     table = result.pop("_table")
