@@ -150,10 +150,6 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     alibi_slope = params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.score_scale;
   }
   ScoreMask<Flags> const mask{binfo, window, alibi_slope};
-  // Dropout: the mask's constants for this (batch, query head); the mask is defined per sequence (dropout.h).
-  DropoutRng const rng = flags.dropout ? DropoutRng::make(dropout_seed_offset(params), bidb, bidh, params.h,
-                                                          params.dropout_threshold)
-                                       : DropoutRng{};
   using AccSLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
   OnlineSoftmax<Traits, kNRows> softmax;
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
@@ -174,11 +170,6 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     copy_tile<Traits>(gmem_tiled_copy_QKV, tVgV(n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
               params.d, flags.even_mn, flags.even_k);
     Traits::cp_async_fence();
-
-    // This tile's dropout mask, one bit per element.  Issued before Q.K^T: it depends only on coordinates,
-    // so its integer work overlaps the tensor cores instead of lengthening the softmax.
-    DropoutBits<Traits, AccSLayout> keep;
-    if (flags.dropout) { keep = dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN); }
 
     if constexpr (Traits::kQInRegs) {
       if (n_block == n_max - 1) {  // Q landed with the first K tile (same cp.async group)
@@ -206,7 +197,16 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
 
     softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, n_block == n_max - 1);
     // Dropout zeroes probabilities after the row sums took them in: the LSE is that of the undropped softmax.
-    if (flags.dropout) { apply_dropout_bits<Traits>(acc_s, keep); }
+    // The mask's Philox rounds are issued here, after Q.K^T, not beside it: interleaved with the GEMM their
+    // state was live next to the K fragments and the hd 128 kernel spilled on sm_90.
+    if (flags.dropout) {
+      // The mask's per-(batch, head) constants are rebuilt here from the kernel parameters (constant bank)
+      // rather than kept live across the loop: five registers the hd 128 kernel does not have.
+      DropoutRng const rng = DropoutRng::make(dropout_seed_offset(params), bidb, bidh, params.h,
+                                              params.dropout_threshold);
+      apply_dropout_bits<Traits>(
+          acc_s, dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN));
+    }
 
     // P goes straight from the accumulator registers into the A operand of P.V.
     Tensor tOrP = make_p_operand<Traits>(acc_s);                                              // (MMA,MMA_M,MMA_K)
