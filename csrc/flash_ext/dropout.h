@@ -91,10 +91,10 @@ CUTE_HOST_DEVICE bool dropout_keep(DropoutRng const& rng, int i, int j) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The mask of one tile in the kernel, in two steps so that the random numbers are generated off the critical
-// path: dropout_keep_bits runs before Q.K^T (it depends only on coordinates, so its integer work overlaps
-// the tensor cores, or the host MMA) and packs the outcome into one bit per element; apply_dropout_bits
-// zeroes the dropped probabilities after the softmax.  The 1 / (1 - p) scale is applied once, to O, in the
+// The mask of one tile in the kernel, in two steps: dropout_keep_bits packs the outcome into one bit per
+// element and apply_dropout_bits zeroes the dropped probabilities after the softmax.  The kernels call the
+// first after their GEMMs, not beside them: overlapping its integer work with the tensor cores kept the
+// Philox state live next to the GEMM fragments, and the sm_90 dropout kernels spilled (kernel_fwd.h).  The 1 / (1 - p) scale is applied once, to O, in the
 // softmax's finalize.
 //
 // Traits::dropout_groups views a thread's accumulator fragment (MMA, MMA_M, MMA_N) as (SLOT, GROUP) with the
