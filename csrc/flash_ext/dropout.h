@@ -114,7 +114,11 @@ struct DropoutBits {
 // coord: the thread's partition of an identity tensor over the tile, shaped like the accumulator fragment;
 // row0/col0: the tile's first query row and key column within the sequence (multiples of 16, so no group
 // straddles two tiles).
-template <class Traits, class AccLayout, class Coord>
+//
+// kOneGroupAtATime: a rolled loop over the groups, so that one Philox state is live at a time instead of
+// every group's (the unrolled loop lets the compiler interleave them).  The sm_90 backward's dropout kernel
+// needs it to fit 255 registers; it requires a thread's bits to fit one word (the GPU tiles).
+template <class Traits, class AccLayout, bool kOneGroupAtATime = false, class Coord>
 CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& coord, DropoutRng const& rng, int row0,
                                                                  int col0) {
   using namespace cute;
@@ -130,8 +134,7 @@ CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& c
   for (int w = 0; w < Bits::kWords; ++w) { bits.word[w] = 0; }
   Word const bh = Lanes::broadcast(rng.bh), offset_lo = Lanes::broadcast(rng.offset_lo);
   Word const key0 = Lanes::broadcast(rng.key0), key1 = Lanes::broadcast(rng.key1);
-  CUTE_UNROLL
-  for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) {
+  auto groups = [&](int g0) {
     Word gcol = bh, grow = bh;  // every lane is set below
     CUTE_UNROLL
     for (int l = 0; l < Lanes::kLanes; ++l) {
@@ -147,8 +150,16 @@ CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& c
       uint32_t byte = 0;
       CUTE_UNROLL
       for (int s = 0; s < 8; ++s) { byte |= uint32_t(dropout_slot_bits(x0, x1, x2, x3, s) < rng.threshold) << s; }
-      bits.word[g / 4] |= byte << (8 * (g % 4));
+      bits.word[kOneGroupAtATime ? 0 : g / 4] |= byte << (8 * (g % 4));
     }
+  };
+  if constexpr (kOneGroupAtATime) {
+    static_assert(Bits::kWords == 1, "a rolled loop indexes the words at run time: one word stays in a register");
+#pragma unroll 1
+    for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) { groups(g0); }
+  } else {
+    CUTE_UNROLL
+    for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) { groups(g0); }
   }
   return bits;
 }

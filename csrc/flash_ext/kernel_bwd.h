@@ -202,7 +202,6 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
   constexpr int kNRows = decltype(size<0>(tScS))::value;
   // Dropout: the forward's mask, regenerated from the same (seed, offset) and coordinates (dropout.h).
   using AccSLayout = decltype(partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
-  PhiloxSeedOffset const seed_offset = flags.dropout ? dropout_seed_offset(params) : PhiloxSeedOffset{0, 0};
 
   // The walk: for each query head of the group, the query tiles [m_min, m_max) in order.  One flat loop, so
   // that the prefetch of the next Q/dO tile crosses head boundaries like any other step.
@@ -299,8 +298,12 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     // dropout kernel spilled.  Only the packed bits stay live until dV's operand below.
     DropoutBits<Traits, AccSLayout> keep;
     if (flags.dropout) {
-      DropoutRng const rng = DropoutRng::make(seed_offset, bidb, bidh, params.h, params.dropout_threshold);
-      keep = dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN);
+      // Rebuilt per tile from the parameters (constant bank) rather than kept live across the walk.
+      DropoutRng const rng = DropoutRng::make(dropout_seed_offset(params), bidb, bidh, params.h,
+                                              params.dropout_threshold);
+      // One group at a time where a thread's bits fit one word (the GPU tiles): see dropout_keep_bits.
+      constexpr bool kRolled = DropoutBits<Traits, AccSLayout>::kWords == 1;
+      keep = dropout_keep_bits<Traits, AccSLayout, kRolled>(tScS_acc, rng, row0, n_block * kBlockN);
     }
 
     // Dropout: out = (P o keep) V / (1 - p), so the gradient reaching P is dO V^T o keep / (1 - p).
