@@ -9,8 +9,9 @@
 // their reads by other warps dropped (a race), shared memory one dS tile short of what the kernel addresses,
 // and a dQ accumulator the launch declares read-only (the atomic adds' range check).
 //
-// Instantiated: head dim 64, fp16, variants general (non-causal and causal) and dropout (non-causal), and the
-// general non-causal variant once more on the barrier-dropping policy.
+// Instantiated: head dim 64, fp16, variants general (non-causal and causal) and dropout (non-causal), the
+// general non-causal variant once more on the barrier-dropping policy, and head dim 256 bf16 general
+// non-causal (the other extreme tile: 32 x 32, 4 warps, single-buffered Q, 32-column P/dS rows).
 #undef NDEBUG
 #include <cassert>
 #include <cstdio>
@@ -27,6 +28,7 @@ using namespace flash_ext::emu;
 using bwd_test::Case;
 using T = cutlass::half_t;
 using Traits = EmuBwd<64, T>::Traits;
+using Traits256 = EmuBwd<256, cutlass::bfloat16_t>::Traits;
 
 #ifndef FLASH_EXT_SOURCE_DIR
 #error "CMakeLists.txt defines FLASH_EXT_SOURCE_DIR"
@@ -75,12 +77,13 @@ std::string run_no_pds_barrier(BwdParams const& p, EmuLaunch& launch, KernelDesc
 
 using RunFn = std::string (*)(BwdParams const&, EmuLaunch&, KernelDesc const*);
 
-template <bool kCausal, int kVariant>
+template <bool kCausal, int kVariant, class Tr = Traits>
 std::string run(BwdParams const& p, EmuLaunch& launch, KernelDesc const* desc) {
-  return run_bwd_variant_emu<Traits, kCausal, kVariant>(p, launch, desc);
+  return run_bwd_variant_emu<Tr, kCausal, kVariant>(p, launch, desc);
 }
 
-void set_up(EmuLaunch& launch, bwd_test::Problem<T> const& pb, bool accum_writable) {
+template <class E>
+void set_up(EmuLaunch& launch, bwd_test::Problem<E> const& pb, bool accum_writable) {
   auto add = [&](auto const& vec, bool w, char const* name) {
     launch.globals.push_back({uintptr_t(vec.data()), uintptr_t(vec.data() + vec.size()), w, name});
   };
@@ -91,8 +94,9 @@ void set_up(EmuLaunch& launch, bwd_test::Problem<T> const& pb, bool accum_writab
 }
 
 // Runs one case; returns whether it behaved as expected (clean and accurate, or the fault reported).
+template <class E = T>
 bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char const* label) {
-  bwd_test::Problem<T> pb;
+  bwd_test::Problem<E> pb;
   pb.init(c, 1);
   pb.p.deterministic = deterministic;
   EmuLaunch launch;
@@ -124,7 +128,7 @@ bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char con
   bool nan = false;
   double const eq = bwd_test::rel_err(pb.dq, rdq, nan), ek = bwd_test::rel_err(pb.dk, rdk, nan);
   double const ev = bwd_test::rel_err(pb.dv, rdv, nan);
-  double const tol = bwd_test::tolerance<T>(/*p16=*/true);
+  double const tol = bwd_test::tolerance<E>(/*p16=*/true);
   Stats const& s = r.stats;
   bool const ran = s.ctas > 0 && s.ldmatrix > 0 && s.mma > 0 && s.cp_async > 0 && s.red_global > 0;
   bool const ok = r.total() == 0 && ran && !nan && eq <= tol && ek <= tol && ev <= tol;
@@ -147,6 +151,10 @@ int main() {
   // sq > sk causal: leading query rows see no key (zero gradients, no NaN), one K/V tile per CTA.
   Case const tall_causal{1, 150, 70, 2, 1, 64, true, -1, -1, 0.f, false};
   Case const dropout{2, 77, 131, 4, 2, 64, false, -1, -1, 0.f, false, 0.3f};
+  // d = 40 on the head-dim-64 tile (columns past d predicated off), GQA, causal.
+  Case const d40_causal{2, 77, 131, 4, 2, 40, true, -1, -1, 0.f, false};
+  // Head dim 256: local window, softcap and ALiBi at once, sk > sq, MQA.
+  Case const hd256{1, 45, 70, 2, 1, 256, false, 20, 3, 30.f, true};
   int failures = 0;
   failures += !run_case(gqa, &run<false, 1>, false, Fault::kNone, "gqa 77x131");
   failures += !run_case(gqa_causal, &run<true, 1>, false, Fault::kNone, "gqa 77x131 causal");
@@ -154,6 +162,9 @@ int main() {
   // Deterministic order: one dQ column walks both K/V tiles in turn (the loop's leading barrier matters).
   failures += !run_case(gqa, &run<false, 1>, true, Fault::kNone, "gqa 77x131 deterministic");
   failures += !run_case(dropout, &run<false, 2>, false, Fault::kNone, "gqa 77x131 dropout 0.3");
+  failures += !run_case(d40_causal, &run<true, 1>, false, Fault::kNone, "gqa 77x131 d40 causal");
+  failures += !run_case<cutlass::bfloat16_t>(hd256, &run<false, 1, Traits256>, false, Fault::kNone,
+                                              "mqa 45x70 d256 bf16 window softcap alibi");
   if (find_pds_barrier()) {
     failures += !run_case(gqa, &run_no_pds_barrier, false, Fault::kNoPdSBarrier, "fault: P/dS barrier dropped");
   } else {
