@@ -5,9 +5,10 @@
 // flight, bank conflicts) and gradients within the GPU path's tolerance; the variant is the one the CUDA
 // dispatcher picks.  dQ is never compared bitwise between runs: its atomic adds have no fixed order.
 //
-// Three deliberate errors must be reported, so the test can fail: the barrier between the P/dS stores and
-// their reads by other warps dropped (a race), shared memory one dS tile short of what the kernel addresses,
-// and a dQ accumulator the launch declares read-only (the atomic adds' range check).
+// Deliberate errors must be reported, so the test can fail: the barrier between the P/dS stores and their
+// reads by other warps dropped (a race), shared memory one dS tile short of what the kernel addresses, a dQ
+// accumulator the launch declares read-only (the atomic adds' range check), and a wrong LSE input (the
+// gradient comparison must reject the result).
 //
 // Instantiated: head dim 64, fp16, variants general (non-causal and causal) and dropout (non-causal), the
 // general non-causal variant once more on the barrier-dropping policy, and head dim 256 bf16 general
@@ -36,7 +37,7 @@ using Traits256 = EmuBwd<256, cutlass::bfloat16_t>::Traits;
 
 namespace {
 
-enum class Fault { kNone, kNoPdSBarrier, kShortSmem, kReadOnlyAccum };
+enum class Fault { kNone, kNoPdSBarrier, kShortSmem, kReadOnlyAccum, kWrongLse };
 
 // The line of kernel_bwd.h whose barrier FaultArch drops (found in the source, so edits elsewhere keep it).
 int g_skip_barrier_line = -1;
@@ -108,13 +109,16 @@ bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char con
     desc.smem_bytes -= Traits::kSmemPdSBytes;  // the dS tile lies past the end
     descp = &desc;
   }
+  if (fault == Fault::kWrongLse) {
+    for (float& x : pb.lse) { x += 0.1f; }  // every P 10% small: the gradient check itself must fail
+  }
   std::string const err = fn(pb.p, launch, descp);
   Report const& r = launch.report;
   if (!err.empty()) {
     std::printf("FAIL %s: launch error: %s\n", label, err.c_str());
     return false;
   }
-  if (fault != Fault::kNone) {
+  if (fault != Fault::kNone && fault != Fault::kWrongLse) {
     Check const expected = fault == Fault::kNoPdSBarrier ? Check::kRace : Check::kBadAddress;
     uint64_t const found = r.counts[int(expected)];
     bool const caught = found > 0;
@@ -131,7 +135,13 @@ bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char con
   double const tol = bwd_test::tolerance<E>(/*p16=*/true);
   Stats const& s = r.stats;
   bool const ran = s.ctas > 0 && s.ldmatrix > 0 && s.mma > 0 && s.cp_async > 0 && s.red_global > 0;
-  bool const ok = r.total() == 0 && ran && !nan && eq <= tol && ek <= tol && ev <= tol;
+  bool const accurate = !nan && eq <= tol && ek <= tol && ev <= tol;
+  if (fault == Fault::kWrongLse) {
+    std::printf("%s %s: rel err dq %.1e dk %.1e dv %.1e (tol %.0e)%s\n", !accurate ? "ok  " : "FAIL", label, eq, ek, ev,
+                tol, accurate ? ": the wrong gradients passed the check" : "");
+    return !accurate;
+  }
+  bool const ok = r.total() == 0 && ran && accurate;
   std::printf("%s %s [%s]: rel err dq %.1e dk %.1e dv %.1e (tol %.0e)%s; %llu CTAs, %llu mma, %llu ldmatrix, "
               "%llu red.global.add, %llu findings\n",
               ok ? "ok  " : "FAIL", label, r.kernels.empty() ? "?" : r.kernels.front().c_str(), eq, ek, ev, tol,
@@ -170,6 +180,7 @@ int main() {
   } else {
     ++failures;
   }
+  failures += !run_case(gqa, &run<false, 1>, false, Fault::kWrongLse, "fault: LSE off by 0.1 (wrong gradients)");
   failures += !run_case(gqa, &run<false, 1>, false, Fault::kShortSmem, "fault: shared memory one dS tile short");
   failures += !run_case(gqa, &run<false, 1>, false, Fault::kReadOnlyAccum, "fault: dQ accumulator read-only");
   std::printf("%d failures\n", failures);
