@@ -139,7 +139,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
             pending = ring.exchange(cur, spare, _KV_TAG, f"forward step {step}: the K/V exchange")
         _trace("posted", step)
         for blk in blocks:
-            o_s, lse_s = torch.ops.flash_ext.fwd(
+            o_s, lse_s, _ = torch.ops.flash_ext.fwd(  # (out, lse, rng_state)
                 _rows(q, blk.q_rows), _rows(cur[0], blk.k_rows), _rows(cur[1], blk.k_rows), spec.softmax_scale,
                 blk.causal, blk.window[0], blk.window[1], spec.softcap, None, 0)
             merge_partial_(_rows(out, blk.q_rows), lse[:, :, blk.q_rows[0]:blk.q_rows[1]], o_s, lse_s)
