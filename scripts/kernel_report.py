@@ -53,18 +53,38 @@ FEED_WAIVERS = {(arch, hd): (5.5 if hd == 256 else 6.0) for arch in (80, 90) for
 SM_LIMITS = {80: (65536, 164 * 1024), 86: (65536, 100 * 1024), 89: (65536, 100 * 1024), 90: (65536, 228 * 1024)}
 
 
-def find_cuobjdump() -> str:
-    exe = shutil.which("cuobjdump")
+def find_tool(name: str) -> str | None:
+    """`name` from PATH, else CUDA_HOME/bin, else an nvidia-* pip package (they install into nvidia/cu*/bin)."""
+    exe = shutil.which(name)
     if exe:
         return exe
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    if os.path.exists(os.path.join(home, "bin", "cuobjdump")):
-        return os.path.join(home, "bin", "cuobjdump")
+    if os.path.exists(os.path.join(home, "bin", name)):
+        return os.path.join(home, "bin", name)
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        for p in glob.glob(os.path.join(root, "**", "bin", "cuobjdump"), recursive=True):
+        for p in sorted(glob.glob(os.path.join(root, "**", "bin", name), recursive=True)):
             return p
-    sys.exit("kernel_report: cuobjdump not found (install nvidia-cuda-cuobjdump or a CUDA toolkit)")
+    return None
+
+
+def find_cuobjdump() -> str:
+    exe = find_tool("cuobjdump")
+    if exe is None:
+        sys.exit("kernel_report: cuobjdump not found (install nvidia-cuda-cuobjdump or a CUDA toolkit)")
+    return exe
+
+
+def sass_env() -> dict[str, str]:
+    """An environment in which `cuobjdump -sass` works: it runs `nvdisasm` from PATH and fails (exit 1, no
+    SASS) without it; the pip packages do not put either on PATH."""
+    nvdisasm = find_tool("nvdisasm")
+    if nvdisasm is None:
+        sys.exit("kernel_report: nvdisasm not found; `cuobjdump -sass` needs it on PATH (install "
+                 "nvidia-cuda-nvdisasm or a CUDA toolkit, or pass --no-loops to skip the SASS main-loop metrics)")
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(nvdisasm) + os.pathsep + env.get("PATH", "")
+    return env
 
 
 def demangle(names: list[str]) -> list[str]:
@@ -141,7 +161,10 @@ def parse(so: str, cuobjdump: str) -> list[dict]:
 
 def loop_metrics(so: str, cuobjdump: str) -> dict[tuple[int, str], sass_loop.LoopMetrics | None]:
     """Main-loop metrics of every forward kernel in `so`, keyed by (arch, mangled name)."""
-    text = subprocess.run([cuobjdump, "-sass", so], capture_output=True, text=True, check=True).stdout
+    done = subprocess.run([cuobjdump, "-sass", so], capture_output=True, text=True, env=sass_env())
+    if done.returncode != 0:
+        sys.exit(f"kernel_report: `{cuobjdump} -sass {so}` failed (exit {done.returncode}): {done.stderr.strip()}")
+    text = done.stdout
     return {(fn.arch, fn.name): sass_loop.main_loop(fn) for fn in sass_loop.parse_sass(text)
             if "flash_fwd_kernel" in fn.name}
 
