@@ -13,7 +13,10 @@ Knobs (environment variables):
                             under FLASH_EXT_EMULATE=sm80 or flash_ext.emulate("sm80"), CPU fp16/bf16 calls run
                             the real Sm80 kernels on emulated warps, with race/address/bank checks.
   FLASH_EXT_EMU_HEADDIMS    head dims compiled into the emulator (default: FLASH_EXT_HEADDIMS, else all).
-  FLASH_EXT_CPU_ARCH        -march value for the CPU backend (default "native"; "" for the compiler's default).
+  FLASH_EXT_CPU_ARCH        -march for the whole extension (default: none, the compiler's baseline, so that the build
+                            runs on any CPU of its architecture; the CPU backend's micro-kernels are compiled for
+                            every x86-64 level anyway and chosen at run time, see csrc/flash_ext/host_isa.h).
+                            "native" ties the build to CPUs like the build machine's (SIGILL elsewhere).
   FLASH_EXT_PTXAS_VERBOSE   "1": pass -Xptxas=-v (register/spill report per kernel, read by scripts/kernel_report.py).
   CUTLASS_INCLUDE_DIR       CUTLASS/CuTe headers; else third_party/cutlass/include; else pip nvidia-cutlass==4.2.0.0.
   CUDA_HOME                 CUDA toolkit (default /usr/local/cuda when present).
@@ -102,7 +105,7 @@ def build_extension():
                  and (pathlib.Path(cuda_home) / "bin" / "nvcc").exists())
 
     include_dirs = include_dirs_or_exit()
-    cpu_arch = os.environ.get("FLASH_EXT_CPU_ARCH", "native")
+    cpu_arch = os.environ.get("FLASH_EXT_CPU_ARCH", "")
     # -fopenmp: at::parallel_for is a header template whose OpenMP pragma only takes effect in a TU compiled
     # with OpenMP; without it the CPU backend silently runs on one thread (measured: 0.24x -> see perf.md).
     cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-Wno-unused-variable", "-Wno-unused-but-set-variable",

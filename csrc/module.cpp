@@ -72,7 +72,31 @@ py::dict build_info() {
   info["host_head_dims"] = host;
   info["emulator"] = ops::emulator_built();
   info["emulator_head_dims"] = emulator_head_dims();
+  // The CPU backend's instruction-set levels: compiled into this build, runnable on this CPU (else why not),
+  // the best runnable one, and the one calls use (FLASH_EXT_CPU_ISA or set_cpu_isa, else the best).
+  py::dict levels;
+  for (int i = 0; i < kNumHostIsas; ++i) {
+    HostIsa const isa = HostIsa(i);
+    py::dict l;
+    l["compiled"] = host_isa_compiled(isa);
+    l["supported"] = host_isa_supported(isa);
+    l["unavailable"] = std::string(host_isa_unavailable_reason(isa));
+    levels[host_isa_name(isa)] = l;
+  }
+  info["cpu_isas"] = levels;
+  info["cpu_isa_best"] = host_isa_name(host_isa_best());
+  info["cpu_isa"] = host_isa_name(host_isa_selected());
   return info;
+}
+
+// Test hook: the instruction-set level CPU calls use from now on ("default": the best this CPU runs).
+// Returns the previous selection ("default" when it was automatic); raises ValueError (naming the missing
+// CPU feature) when refused.
+std::string set_cpu_isa(std::string const& name) {
+  std::string const previous = host_isa_automatic() ? "default" : host_isa_name(host_isa_selected());
+  char const* why = host_isa_override(name.c_str());
+  if (*why != '\0') { throw py::value_error("set_cpu_isa('" + name + "'): " + why); }
+  return previous;
 }
 
 // One entry per compiled kernel instance: the CUDA forward kernels (arch x head dim x dtype x causal x
@@ -140,6 +164,7 @@ py::dict plan_to_dict(ops::Plan const& p) {
   d["flags"] = flags;
   d["window"] = std::vector<int>{p.window_left, p.window_right};
   d["hbm_bytes"] = p.hbm_bytes, d["naive_hbm_bytes"] = p.naive_hbm_bytes;
+  if (!p.cpu_isa.empty()) { d["cpu_isa"] = p.cpu_isa; }
   py::dict problem;
   problem["b"] = p.b, problem["h"] = p.h, problem["h_k"] = p.h_k, problem["seqlen_q"] = p.seqlen_q;
   problem["seqlen_k"] = p.seqlen_k, problem["d"] = p.head_dim, problem["element_size"] = p.element_size;
@@ -194,7 +219,8 @@ py::dict launch_geometry(int64_t m_blocks, int64_t b, int64_t h, int64_t num_spl
 PYBIND11_MODULE(_C, m) {
   using namespace flash_ext;
   m.doc() = "flash_ext's C++ extension: ops are registered as torch.ops.flash_ext.*; this module holds the rest";
-  m.def("build_info", &build_info, "What this build contains: CUDA archs and head dims, host head dims.");
+  m.def("build_info", &build_info, "What this build contains: CUDA archs and head dims, host head dims, the CPU "
+        "instruction-set levels (compiled, runnable here) and the one in use.");
   m.def("compiled_kernels", &compiled_kernels, "Every compiled kernel instance (backend, arch, head dim, dtype, "
         "causal, variant, tile).");
   m.def("plan_fwd",
@@ -217,6 +243,9 @@ PYBIND11_MODULE(_C, m) {
         },
         "The split-KV heuristic of dispatch.h (a pure function).", py::arg("ctas"), py::arg("processors"),
         py::arg("n_blocks"));
+  m.def("set_cpu_isa", &set_cpu_isa,
+        "Test hook: the CPU instruction-set level later calls use ('generic', 'avx2', 'avx512', 'avx512_bf16' or "
+        "'default'); returns the previous one; ValueError when this build or CPU lacks it.", py::arg("name"));
   m.def("set_poison_outputs", &ops::set_poison_outputs,
         "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
         py::arg("enable"));

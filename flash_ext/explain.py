@@ -34,6 +34,8 @@ class Explanation:
         lines = [
             f"device      {p['device']}",
             f"backend     {p['backend']}",
+            *([f"cpu isa     {p['cpu_isa']} (micro-kernels chosen at run time; FLASH_EXT_CPU_ISA forces a level)"]
+              if p.get("cpu_isa") else []),
             f"head dim    {p['head_dim']} -> tile {p['head_dim_tile']}"
             + ("" if p["head_dim"] == p["head_dim_tile"] else " (padding predicated, even_k=no)"),
             f"tile        {p['block_m']} x {p['block_n']} (query rows x keys), {p['threads_per_cta']} threads/CTA",
@@ -82,7 +84,8 @@ def explain(
 ) -> Explanation:
     """Describe what ``flash_attn_func`` would run for these arguments, without running it.
 
-    Reports the device path, the traits (tile M/N, threads), the flag values the kernel is specialised on
+    Reports the device path (on the CPU also the instruction-set level whose micro-kernels run), the traits
+    (tile M/N, threads), the flag values the kernel is specialised on
     and the compiled variant chosen, shared memory, grid, number of KV splits, and estimated HBM traffic vs
     naive attention.  If the call cannot run, ``ok`` is False and ``reasons`` lists every reason.  Prints
     the explanation unless ``verbose=False``.  Set ``FLASH_EXT_LOG=1`` to log the plan of every call.

@@ -73,6 +73,29 @@ CUTE_HOST_DEVICE void gemm_sr(Acc& acc, FragA& tCrA, FragB const& tCrB, SmemA co
   }
 }
 
+// Whole-tile GEMMs.  A backend whose MMA is a routine over whole tiles rather than an instruction on
+// register fragments (the host: one micro-kernel call per GEMM, traits_host.h) specialises TileGemm for its
+// TiledMma, with rs(acc, A, sB) and ss(acc, sA, sB); the overloads below, more constrained than gemm_ss and
+// gemm_rs, then take the complete acc += A . B^T in one call, reading the operands where they are (B in
+// shared memory: the k-slice register fragments are not used).
+template <class TiledMma>
+struct TileGemm : std::false_type {};
+
+template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma, class CopyA,
+          class CopyB, class ThrCopyA, class ThrCopyB>
+  requires TileGemm<TiledMma>::value
+void gemm_ss(Acc& acc, FragA&, FragB&, SmemA const& tCsA, SmemB const& tCsB, TiledMma const&, CopyA const&,
+             CopyB const&, ThrCopyA const&, ThrCopyB const&) {
+  TileGemm<TiledMma>::ss(acc, tCsA, tCsB);
+}
+
+template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB>
+  requires TileGemm<TiledMma>::value
+void gemm_rs(Acc& acc, FragA const& tCrA, FragB&, SmemB const& tCsB, TiledMma const&, CopyB const&,
+             ThrCopyB const&) {
+  TileGemm<TiledMma>::rs(acc, tCrA, tCsB);
+}
+
 // ((cols, rows), MMA_M, MMA_N) accumulator -> ((rows, MMA_M), (cols, MMA_N)): the (row, column) view that
 // softmax and masking index.  kAccValCols is how many adjacent columns of one row an atom gives a thread.
 template <int kAccValCols, class Layout>

@@ -1,12 +1,14 @@
 // The CPU backend: the kernel body instantiated with HostTraits, one call per (m_block, batch, head),
 // spread over CPU threads by a caller-supplied parallel-for (at::parallel_for in the extension, a plain
-// loop in the C++ tests).  Every flag is a runtime bool here: two tile heights per (dtype, head dim).
+// loop in the C++ tests).  Every flag is a runtime bool here: two tile heights per (dtype, head dim).  The
+// micro-kernels of one instruction-set level (host_isa.h) serve the whole call.
 #pragma once
 
 #include <cstdint>
 
 #include "block_info.h"
 #include "combine.h"
+#include "host_isa.h"
 #include "kernel_fwd.h"
 #include "params.h"
 #include "traits_host.h"
@@ -48,13 +50,31 @@ constexpr int host_head_dim_for(int d) {
   return -1;
 }
 
+// Installs a call's micro-kernels as this worker thread's context (host_isa.h) for the scope of one
+// parallel-for chunk, and restores what was there (a nested or earlier call's).
+class HostCtaScope {
+ public:
+  explicit HostCtaScope(HostKernels const& kernels) : ctx_(host_cta_context()), saved_(ctx_) {
+    ctx_.kernels = &kernels;
+  }
+  ~HostCtaScope() { ctx_ = saved_; }
+  HostCtaScope(HostCtaScope const&) = delete;
+  HostCtaScope& operator=(HostCtaScope const&) = delete;
+  void set_live_rows(int rows) { ctx_.live_rows = rows; }
+
+ private:
+  HostCtaContext& ctx_;
+  HostCtaContext const saved_;
+};
+
 template <class Traits, class ParallelFor>
-void run_fwd_host_traits(FwdParams const& params, ParallelFor&& parallel_for) {
+void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, ParallelFor&& parallel_for) {
   int const num_m_blocks = ceil_div(params.seqlen_q, Traits::kBlockM);
   int const num_splits = params.num_splits;
   int64_t const total = int64_t(num_m_blocks) * num_splits * params.b * params.h;
   DynamicFlags const flags = flags_from_params<Traits, DynamicFlags>(params);
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
+    HostCtaScope scope(kernels);
     // The "shared memory" of one CTA; m_block varies fastest so neighbouring work items reuse K/V in cache.
     alignas(128) char smem[Traits::kSmemBytes];
     for (int64_t i = begin; i < end; ++i) {
@@ -64,6 +84,8 @@ void run_fwd_host_traits(FwdParams const& params, ParallelFor&& parallel_for) {
       rest /= num_splits;
       int const bidh = int(rest % params.h);
       int const bidb = int(rest / params.h);
+      // Query rows of this tile that exist (the last tile of a sequence, a decode step's 1-16 rows).
+      scope.set_live_rows(BlockInfo(params, bidb).seqlen_q - m_block * Traits::kBlockM);
       compute_attn_1rowblock<Traits>(params, flags, bidb, bidh, m_block, /*tidx=*/0, smem, n_split);
     }
   });
@@ -84,25 +106,27 @@ void run_fwd_host_traits(FwdParams const& params, ParallelFor&& parallel_for) {
 }
 
 template <int kHeadDim, class Element, class ParallelFor>
-void run_fwd_host_head_dim(FwdParams const& params, ParallelFor&& parallel_for) {
+void run_fwd_host_head_dim(FwdParams const& params, HostKernels const& kernels, ParallelFor&& parallel_for) {
   if constexpr (!host_head_dim_compiled(kHeadDim)) {
     return;  // not in this build: host_head_dim_for never selects it
   } else if (host_block_m(params.seqlen_q) == kHostBlockMShort) {
-    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN, Element>>(params, parallel_for);
+    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN, Element>>(params, kernels, parallel_for);
   } else {
-    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN, Element>>(params, parallel_for);
+    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN, Element>>(params, kernels, parallel_for);
   }
 }
 
+// `kernels`: the micro-kernels to use; nullptr: those of the selected level (host_isa_selected()).
 template <class Element, class ParallelFor>
-void run_fwd_host(FwdParams const& params, ParallelFor&& parallel_for) {
+void run_fwd_host(FwdParams const& params, ParallelFor&& parallel_for, HostKernels const* kernels = nullptr) {
+  HostKernels const& k = kernels != nullptr ? *kernels : *host_kernels_for(host_isa_selected());
   switch (host_head_dim_for(params.d)) {
-    case 32: return run_fwd_host_head_dim<32, Element>(params, parallel_for);
-    case 64: return run_fwd_host_head_dim<64, Element>(params, parallel_for);
-    case 96: return run_fwd_host_head_dim<96, Element>(params, parallel_for);
-    case 128: return run_fwd_host_head_dim<128, Element>(params, parallel_for);
-    case 192: return run_fwd_host_head_dim<192, Element>(params, parallel_for);
-    case 256: return run_fwd_host_head_dim<256, Element>(params, parallel_for);
+    case 32: return run_fwd_host_head_dim<32, Element>(params, k, parallel_for);
+    case 64: return run_fwd_host_head_dim<64, Element>(params, k, parallel_for);
+    case 96: return run_fwd_host_head_dim<96, Element>(params, k, parallel_for);
+    case 128: return run_fwd_host_head_dim<128, Element>(params, k, parallel_for);
+    case 192: return run_fwd_host_head_dim<192, Element>(params, k, parallel_for);
+    case 256: return run_fwd_host_head_dim<256, Element>(params, k, parallel_for);
     default: break;  // the op layer rejects head dims without a compiled host kernel before this point
   }
 }

@@ -36,6 +36,12 @@ struct OnlineSoftmax {
   CUTE_HOST_DEVICE void rescale_o(Scores& scores, AccO& acc_o, float scale_log2, bool first) {
     using namespace cute;
     static_assert(decltype(size<0>(scores))::value == kNRows);
+    if constexpr (requires { Traits::softmax_rescale_o(row_max, row_sum, scores, acc_o, scale_log2, first); }) {
+      // The host runs this step over the whole tile as vector code for the CPU's instruction set
+      // (traits_host.h, csrc/host/isa/kernels.h): the same per-row arithmetic, rows side by side in lanes.
+      Traits::softmax_rescale_o(row_max, row_sum, scores, acc_o, scale_log2, first);
+      return;
+    }
     CUTE_UNROLL
     for (int i = 0; i < kNRows; ++i) {
       float m = first ? -INFINITY : row_max(i);

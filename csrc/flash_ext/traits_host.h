@@ -1,7 +1,14 @@
-// Host traits: the degenerate, single-thread instance of the same kernel body.  One "thread" owns the
-// whole tile; copies are plain loads/stores; cp.async fences and barriers have nothing to order; a row
-// reduction needs no partner.  The only piece with real work is the MMA atom below, a register-blocked
-// 4x16x16 tile the compiler vectorises along N, standing in for mma.sync.
+// Host traits: the single-thread instance of the same kernel body.  One "thread" owns the whole tile;
+// copies are plain loads/stores; cp.async fences and barriers have nothing to order; a row reduction needs
+// no partner.
+//
+// The MMA atom is one scalar multiply-add (1x1x1): it only gives the fragments their layouts, in which a
+// tile is a plain column-major matrix — query rows contiguous — so that the per-element work can run as
+// vector code down the columns.  That work does not go through the atom: the body's GEMM steps, the
+// online-softmax step and the output conversion reach, through hooks (TileGemm in gemm.h,
+// softmax_rescale_o and convert below), the micro-kernels of the CPU's instruction-set level (host_isa.h),
+// one call per tile.  The body is compiled once, for the baseline target; only those micro-kernels are
+// compiled per level.
 #pragma once
 
 #include <cmath>
@@ -19,10 +26,13 @@
 
 #include "philox.h"
 
+#include "gemm.h"
+#include "host_isa.h"
+
 namespace flash_ext {
 
-// Widening load of one input element to fp32.  bf16 is the top half of an fp32; fp16 goes through the
-// compiler's _Float16 (vcvtph2ps with F16C), so neither costs a library call in the inner loop.
+// Widening of one input element to fp32 (the scalar path of the atom; the micro-kernels widen a vector at
+// a time).
 template <class T>
 inline float host_to_float(T x) {
   if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
@@ -30,23 +40,18 @@ inline float host_to_float(T x) {
     float f;
     std::memcpy(&f, &bits, sizeof(f));
     return f;
-  } else if constexpr (std::is_same_v<T, cutlass::half_t>) {
-    uint16_t raw = x.raw();
-    _Float16 h;
-    std::memcpy(&h, &raw, sizeof(h));
-    return float(h);
   } else {
     return float(x);
   }
 }
 
-// exp2 for the softmax, written so the compiler vectorises the loop that calls it (libm's exp2f is an
-// opaque call).  Range reduction x = n + f, f in [-0.5, 0.5], then a degree-6 polynomial for 2^f:
-// relative error ~2e-7, below bf16/fp16 output rounding and the fp32 accumulation error of P.V.
-// Inputs below -126 (including -inf from masking) give exactly 0, as masked probabilities must.
+// exp2 for scalar uses (the vector micro-kernels have the same function, kLanes at a time): range reduction
+// x = n + f, f in [-0.5, 0.5], then a degree-6 polynomial for 2^f, relative error ~2e-7, below bf16/fp16
+// output rounding and the fp32 accumulation error of P.V.  Inputs below -126 (including -inf from masking)
+// give exactly 0, as masked probabilities must.
 inline float host_exp2(float x) {
   float const xc = x > 127.f ? 127.f : (x < -126.f ? -126.f : x);
-  float const n = __builtin_roundevenf(xc);
+  float const n = (xc + 12582912.f) - 12582912.f;  // round to nearest even
   float const f = xc - n;
   float p = 1.5353362e-4f;
   p = p * f + 1.3398874e-3f;
@@ -63,41 +68,32 @@ inline float host_exp2(float x) {
   return x < -126.f ? 0.f : r;
 }
 
-// 16 fp32 lanes: one zmm with AVX-512, two ymm with AVX2; the compiler lowers it to what -march allows.
-typedef float v16f __attribute__((vector_size(64)));
-
 template <class T>
-inline v16f load16_as_float(T const* p) {
-  v16f out;
+constexpr HostDType host_dtype() {
   if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&out, p, sizeof(out));
+    return HostDType::kF32;
   } else if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-    typedef uint16_t v16u16 __attribute__((vector_size(32)));
-    typedef uint32_t v16u32 __attribute__((vector_size(64)));
-    v16u16 raw;
-    std::memcpy(&raw, p, sizeof(raw));
-    v16u32 const bits = __builtin_convertvector(raw, v16u32) << 16;
-    std::memcpy(&out, &bits, sizeof(out));
+    return HostDType::kBF16;
   } else {
-    static_assert(std::is_same_v<T, cutlass::half_t>);
-    typedef _Float16 v16h __attribute__((vector_size(32)));
-    v16h raw;
-    std::memcpy(&raw, p, sizeof(raw));
-    out = __builtin_convertvector(raw, v16f);
+    static_assert(std::is_same_v<T, cutlass::half_t>, "host operands are fp32, bf16 or fp16");
+    return HostDType::kF16;
   }
-  return out;
 }
 
-// D(8x16) = A(8x16) . B(16x16)^T + C, fp32 accumulation.  Value orders are chosen so that the accumulator
-// keeps the (columns, rows) value-mode convention of the SM80 atom, and so that P (the accumulator of
-// Q.K^T) *is* an A fragment of P.V with no shuffling: the atom's K equals its N.
+// The micro-kernels of the running call (the launcher sets them per CTA), else those of the selected level.
+inline HostKernels const& host_kernels() {
+  HostKernels const* k = host_cta_context().kernels;
+  return *(k != nullptr ? k : host_kernels_for(host_isa_selected()));
+}
+
+// D = A * B + C on one element: the atom.  The body's GEMMs do not use it (TileGemm below takes whole
+// tiles); it keeps cute::gemm on host fragments correct for any other caller.
 template <class T>
-struct HostMma8x16x16 {
-  static constexpr int kM = 8, kN = 16, kK = 16;
-  using DRegisters = float[kM * kN];
-  using ARegisters = T[kM * kK];
-  using BRegisters = T[kN * kK];
-  using CRegisters = float[kM * kN];
+struct HostFma {
+  using DRegisters = float[1];
+  using ARegisters = T[1];
+  using BRegisters = T[1];
+  using CRegisters = float[1];
 };
 
 }  // namespace flash_ext
@@ -105,50 +101,26 @@ struct HostMma8x16x16 {
 namespace cute {
 
 template <class T>
-struct MMA_Traits<flash_ext::HostMma8x16x16<T>> {
+struct MMA_Traits<flash_ext::HostFma<T>> {
   using ValTypeD = float;
   using ValTypeA = T;
   using ValTypeB = T;
   using ValTypeC = float;
-  using Shape_MNK = Shape<_8, _16, _16>;
+  // A register fragment (Q, loaded once per CTA) holds fp32: widened once, not in every tile's GEMM.
+  using FrgTypeA = float;
+  using Shape_MNK = Shape<_1, _1, _1>;
   using ThrID = Layout<_1>;
-  using ALayout = Layout<Shape<_1, Shape<_16, _8>>, Stride<_0, Stride<_8, _1>>>;    // (thr,(k,m)) -> m + 8k
-  using BLayout = Layout<Shape<_1, Shape<_16, _16>>, Stride<_0, Stride<_1, _16>>>;  // (thr,(n,k)) -> n + 16k
-  using CLayout = Layout<Shape<_1, Shape<_16, _8>>, Stride<_0, Stride<_8, _1>>>;    // (thr,(n,m)) -> m + 8n
+  using ALayout = Layout<Shape<_1, _1>>;  // (thr, val) -> (m, k)
+  using BLayout = Layout<Shape<_1, _1>>;  // (thr, val) -> (n, k)
+  using CLayout = Layout<Shape<_1, _1>>;  // (thr, val) -> (m, n)
 };
 
-// Found by argument-dependent lookup from MMA_Atom::call; more specialised than cute's generic unpack,
-// which would pass 640 scalars one by one.  A may hold fp32 (P in the P.V step) as well as T.
+// Found by argument-dependent lookup from MMA_Atom::call.  A may hold fp32 (P in the P.V step) as well as T.
 template <class T, class TD, class DLayout, class TA, class ALayout, class TB, class BLayout, class TC,
           class CLayout>
-inline void mma_unpack(MMA_Traits<flash_ext::HostMma8x16x16<T>> const&, Tensor<TD, DLayout>& D,
-                       Tensor<TA, ALayout> const& A, Tensor<TB, BLayout> const& B,
-                       Tensor<TC, CLayout> const& C) {
-  using Op = flash_ext::HostMma8x16x16<T>;
-  using flash_ext::v16f;
-  // Each operand slice is one contiguous register array in the value order declared in MMA_Traits.
-  static_assert(std::is_same_v<decltype(coalesce(D.layout())), Layout<Int<Op::kM * Op::kN>, _1>>);
-  static_assert(std::is_same_v<decltype(coalesce(C.layout())), Layout<Int<Op::kM * Op::kN>, _1>>);
-  static_assert(std::is_same_v<decltype(coalesce(A.layout())), Layout<Int<Op::kM * Op::kK>, _1>>);
-  static_assert(std::is_same_v<decltype(coalesce(B.layout())), Layout<Int<Op::kN * Op::kK>, _1>>);
-  auto const* a = &A(0);
-  auto const* b = &B(0);
-  float const* c = &C(0);
-  float* d = &D(0);
-
-  v16f bk[Op::kK];  // row k of B^T: 16 columns n
-  for (int k = 0; k < Op::kK; ++k) { bk[k] = flash_ext::load16_as_float(b + Op::kN * k); }
-  alignas(64) float af[Op::kM * Op::kK];  // widened once, then broadcast from L1 into the FMAs
-  for (int i = 0; i < Op::kM * Op::kK; i += 16) {
-    v16f const x = flash_ext::load16_as_float(a + i);
-    std::memcpy(af + i, &x, sizeof(x));
-  }
-  v16f acc[Op::kM];  // row m of D: 16 columns n
-  for (int m = 0; m < Op::kM; ++m) { std::memcpy(&acc[m], c + Op::kN * m, sizeof(v16f)); }
-  for (int k = 0; k < Op::kK; ++k) {
-    for (int m = 0; m < Op::kM; ++m) { acc[m] += af[k + Op::kK * m] * bk[k]; }
-  }
-  for (int m = 0; m < Op::kM; ++m) { std::memcpy(d + Op::kN * m, &acc[m], sizeof(v16f)); }
+inline void mma_unpack(MMA_Traits<flash_ext::HostFma<T>> const&, Tensor<TD, DLayout>& D,
+                       Tensor<TA, ALayout> const& A, Tensor<TB, BLayout> const& B, Tensor<TC, CLayout> const& C) {
+  D(0) = flash_ext::host_to_float(A(0)) * flash_ext::host_to_float(B(0)) + C(0);
 }
 
 }  // namespace cute
@@ -190,12 +162,147 @@ struct PhiloxLanes<HostPhiloxWord> {
   static uint32_t get(HostPhiloxWord w, int lane) { return uint32_t(w.v[lane]); }
 };
 
+// Shared memory -> fp32 register fragment, one element: the widening load of Q into its A fragment.
+template <class T>
+struct HostWidenCopy {
+  using SRegisters = T[1];
+  using DRegisters = float[1];
+};
+
+// Global <-> shared copies of N consecutive elements: one unaligned N-element move (memcpy) when both
+// sides are contiguous, else element by element (the copy of Q into its column-major tile, once per CTA).
+// No alignment is assumed of the caller's tensors on the CPU.
+template <class T, int N>
+struct HostVectorCopy {
+  using SRegisters = T[N];
+  using DRegisters = T[N];
+};
+
+}  // namespace flash_ext
+
+namespace cute {
+
+template <class T, int N>
+struct Copy_Traits<flash_ext::HostVectorCopy<T, N>> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, Int<N * sizeof_bits_v<T>>>>;  // (thr, bits)
+  using DstLayout = SrcLayout;
+  using RefLayout = SrcLayout;
+};
+
+// Both layouts count elements of T: the tiled copies partition T tiles, the destination just holds fp32.
+template <class T>
+struct Copy_Traits<flash_ext::HostWidenCopy<T>> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, Int<sizeof_bits_v<T>>>>;
+  using DstLayout = SrcLayout;
+  using RefLayout = SrcLayout;
+};
+
+template <class T, class SEngine, class SLayout, class DEngine, class DLayout>
+inline void copy_unpack(Copy_Traits<flash_ext::HostWidenCopy<T>> const&, Tensor<SEngine, SLayout> const& src,
+                        Tensor<DEngine, DLayout>& dst) {
+  static_assert(std::is_same_v<typename DEngine::value_type, float>);
+  dst(0) = flash_ext::host_to_float(src(0));
+}
+
+template <class T, int N, class SEngine, class SLayout, class DEngine, class DLayout>
+inline void copy_unpack(Copy_Traits<flash_ext::HostVectorCopy<T, N>> const&, Tensor<SEngine, SLayout> const& src,
+                        Tensor<DEngine, DLayout>& dst) {
+  using Contiguous = Layout<Int<N>, _1>;
+  if constexpr (std::is_same_v<decltype(coalesce(SLayout{})), Contiguous> &&
+                std::is_same_v<decltype(coalesce(DLayout{})), Contiguous>) {
+    std::memcpy(raw_pointer_cast(&dst(0)), raw_pointer_cast(&src(0)), N * sizeof(T));
+  } else {
+    for (int i = 0; i < N; ++i) { dst(i) = src(i); }
+  }
+}
+
+// A whole global -> shared tile, (CPY, CPY_M, CPY_K): row by row, each row's next-tile counterpart
+// prefetched.  The body walks K/V tiles right to left, so the tile copied next lies kBlockN rows below this
+// one (a paged or varlen layout may put it elsewhere: a prefetch of the wrong lines costs a little
+// bandwidth, never a fault).  Without it the copies stalled on memory (about 8% of a prefill call at d=64).
+template <class T, int N, class TV, class Tiler, class SEngine, class SLayout, class DEngine, class DLayout>
+inline void copy(TiledCopy<Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>, TV, Tiler> const& tiled_copy,
+                 Tensor<SEngine, SLayout> const& src, Tensor<DEngine, DLayout>& dst) {
+  using Atom = Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>;
+  if constexpr (SLayout::rank == 3 && is_gmem<SEngine>::value) {
+    int64_t const tile_step = int64_t(size<1>(src)) * int64_t(stride<1>(src));
+    int const row_bytes = int(size<0>(src) * size<2>(src)) * int(sizeof(T));
+    for (int m = 0; m < size<1>(src); ++m) {
+      char const* next = reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0)) - tile_step);
+      for (int b = 0; b < row_bytes; b += 64) { __builtin_prefetch(next + b); }
+      copy(static_cast<Atom const&>(tiled_copy), src(_, m, _), dst(_, m, _));
+    }
+  } else {
+    copy(static_cast<Atom const&>(tiled_copy), src, dst);
+  }
+}
+
+}  // namespace cute
+
+namespace flash_ext {
+
+template <class T>
+using HostTiledMma = cute::TiledMMA<cute::MMA_Atom<HostFma<T>>, cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>>;
+
+// A host operand as the micro-kernels take it: a (1, ROWS, COLS) partition of the 1x1x1 atom is the
+// matrix itself, so its two strides are all there is to know.
+struct HostOperand {
+  void const* ptr;
+  HostDType type;
+  int64_t row_stride, col_stride;
+  int rows, cols;
+};
+
+// The one stride of a mode that steps through memory evenly (a size-1 mode: any, 0).
+template <class Layout>
+constexpr int64_t host_mode_stride(Layout const& mode) {
+  auto const flat = cute::coalesce(mode);
+  static_assert(decltype(cute::rank(flat))::value == 1, "host tile modes step through memory evenly");
+  return int64_t(cute::stride(flat));
+}
+
+template <class Tensor>
+HostOperand host_operand(Tensor const& t) {
+  using namespace cute;
+  static_assert(decltype(rank(t))::value == 3 && decltype(size<0>(t))::value == 1,
+                "host operands are (1, ROWS, COLS) partitions of the 1x1x1 atom");
+  using T = std::remove_cv_t<typename std::remove_reference_t<Tensor>::value_type>;
+  return {raw_pointer_cast(&t(0, 0, 0)), host_dtype<T>(), host_mode_stride(layout<1>(t)),
+          host_mode_stride(layout<2>(t)), int(size<1>(t)), int(size<2>(t))};
+}
+
+// acc(m, n) += sum_k A(m, k) * B(n, k) over a whole tile, by the level's GEMM micro-kernel.  Rows past the
+// CTA's live rows (host_cta_context) are skipped.
+template <class Acc, class A, class B>
+void host_tile_gemm(Acc& acc, A const& tA, B const& tB) {
+  HostOperand const c = host_operand(acc), a = host_operand(tA), b = host_operand(tB);
+  static_assert(std::is_same_v<typename Acc::value_type, float>);
+  // Column-major fp32 accumulators: the layout of partition_fragment_C for the 1x1x1 atom.
+  static_assert(host_mode_stride(cute::layout<1>(typename Acc::layout_type{})) == 1);
+  int const live = host_cta_context().live_rows;
+  HostGemmArgs const g{static_cast<float*>(const_cast<void*>(c.ptr)), c.col_stride, a.ptr, a.type, a.row_stride,
+                       a.col_stride, b.ptr, b.type, b.row_stride, b.col_stride,
+                       c.rows < live ? c.rows : live, c.cols, a.cols};
+  host_kernels().gemm(g);
+}
+
+// Whole-tile GEMMs of the host (gemm.h): A from registers (Q, P) or shared memory, B from shared memory,
+// read in place — the micro-kernel widens what it needs.
+template <class T>
+struct TileGemm<HostTiledMma<T>> : std::true_type {
+  template <class Acc, class FragA, class SmemB>
+  static void rs(Acc& acc, FragA const& tCrA, SmemB const& tCsB) { host_tile_gemm(acc, tCrA, tCsB); }
+  template <class Acc, class SmemA, class SmemB>
+  static void ss(Acc& acc, SmemA const& tCsA, SmemB const& tCsB) { host_tile_gemm(acc, tCsA, tCsB); }
+};
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, class Element_>
 struct HostTraits {
   using Element = Element_;
   using ElementAccum = float;
-  // P stays fp32: the host MMA widens its operands anyway, so rounding P to 16 bits would only cost time
-  // (and a little accuracy).
+  // P stays fp32: the micro-kernels take fp32 operands anyway (bf16 dot-product levels round it themselves).
   using ElementP = float;
   static constexpr bool kIsHost = true;
   // A single thread has room for the whole Q tile: load it once, not once per K tile.
@@ -206,28 +313,34 @@ struct HostTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = 1;
   static constexpr int kNThreads = 1;
-  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockM % 8 == 0);
+  // Rows are processed in vectors of up to 16 (host_isa.h).
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockM % 16 == 0);
 
-  using TiledMma = cute::TiledMMA<cute::MMA_Atom<HostMma8x16x16<Element>>, cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>>;
+  using TiledMma = HostTiledMma<Element>;
 
-  // Row-major tiles: a single reader needs no swizzle.
+  // Q is column-major so that its register copy, a fragment ordered like it, holds columns of query rows:
+  // the A operand of Q.K^T as the micro-kernel reads it (the gather happens once per CTA).  K, V and O are
+  // row-major: K's rows are the broadcast operand, V's rows feed P.V, O's rows are stored contiguously.
   using SmemLayoutQ = cute::Layout<cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>,
-                                   cute::Stride<cute::Int<kHeadDim>, cute::_1>>;
+                                   cute::Stride<cute::_1, cute::Int<kBlockM>>>;
   using SmemLayoutKV = cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
                                     cute::Stride<cute::Int<kHeadDim>, cute::_1>>;
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = SmemLayoutVt;
-  using SmemLayoutO = SmemLayoutQ;
+  using SmemLayoutO = cute::Layout<cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>,
+                                   cute::Stride<cute::Int<kHeadDim>, cute::_1>>;
 
-  using SmemCopyAtom = cute::Copy_Atom<cute::UniversalCopy<Element>, Element>;
+  // Q's shared -> register copy widens to the fp32 A fragment (FrgTypeA).  K and V are read by the tile GEMM
+  // straight from shared memory; their copy atoms only shape partitions.
+  using SmemCopyAtom = cute::Copy_Atom<HostWidenCopy<Element>, Element>;
   using SmemCopyAtomTransposed = SmemCopyAtom;
-  using SmemCopyAtomO = SmemCopyAtom;
+  using SmemCopyAtomO = cute::Copy_Atom<cute::UniversalCopy<Element>, Element>;
 
-  // Element-wise copies: no alignment is assumed of the caller's tensors on the CPU.
+  // Rows move 8 elements at a time (the op requires head dims that are multiples of 8).
   using GmemLayoutAtom = cute::Layout<cute::Shape<cute::_1, cute::_1>>;
   using GmemValLayout = cute::Layout<cute::Shape<cute::_1, cute::_8>>;
-  using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(cute::Copy_Atom<cute::UniversalCopy<Element>, Element>{},
+  using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(cute::Copy_Atom<HostVectorCopy<Element, 8>, Element>{},
                                                           GmemLayoutAtom{}, GmemValLayout{}));
   using GmemTiledCopyO = GmemTiledCopyQKV;
 
@@ -235,25 +348,27 @@ struct HostTraits {
   static constexpr int kSmemKVBytes = int(cute::cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes;
 
-  static constexpr int kAccValCols = 16;
+  // One column per atom value: the (row, col) view is the fragment's (m, n) itself.
+  static constexpr int kAccValCols = 1;
 
-  // The atom's K equals its N, so the accumulator of S already is the A fragment of P.V.
+  // The accumulator of S, (1, M, N), already is the A operand (1, M, K = N) of P.V.
   template <class Layout>
   static constexpr auto acc_to_a_layout(Layout acc) { return acc; }
 
-  // Dropout groups (dropout.h) of the ((16 cols, 8 rows), MMA_M, MMA_N) accumulator: rows {R, R + 8} lie in
-  // neighbouring MMA_M atoms (2a, 2a + 1), columns {c, c + 1, c + 8, c + 9} in one atom's 16 columns.  As
-  // (SLOT = (col bit, row half, col half), GROUP = ((cols % 8) / 2, row within the atom, atom pair, MMA_N)).
+  // Dropout groups (dropout.h) of the (1, M, N) column-major accumulator, whose (compact) domain index is
+  // m + M n: slot s lies at (+8 rows if bit 1, +1 column if bit 0, +8 columns if bit 2) of its group's
+  // anchor (R, c); the anchors are rows R = 16 a + r (r < 8) and columns c = 16 b + 2 q (q < 4).  As
+  // (SLOT = (col bit, row half, col half), GROUP = (q, r, a, b)).  tests/cpp/test_dropout.cpp checks the
+  // view against the contract.
   using DropoutWord = HostPhiloxWord;
   template <class AccLayout>
   static constexpr auto dropout_groups(AccLayout acc) {
     using namespace cute;
-    constexpr int kMmaM = decltype(size<1>(acc))::value;
-    constexpr int kMmaN = decltype(size<2>(acc))::value;
-    static_assert(decltype(size<0>(acc))::value == 128 && kMmaM % 2 == 0);
-    // (slot, group) -> index of the fragment's (compact, column-major) domain: n + 16 m + 128 mma_m + ...
-    auto const g = cute::Layout<Shape<Shape<_2, _2, _2>, Shape<_4, _8, Int<kMmaM / 2>, Int<kMmaN>>>,
-                          Stride<Stride<_1, _128, _8>, Stride<_2, _16, _256, Int<128 * kMmaM>>>>{};
+    constexpr int kM = decltype(size<1>(acc))::value;
+    constexpr int kN = decltype(size<2>(acc))::value;
+    static_assert(decltype(size<0>(acc))::value == 1 && kM % 16 == 0 && kN % 16 == 0);
+    auto const g = cute::Layout<Shape<Shape<_2, _2, _2>, Shape<_4, _8, Int<kM / 16>, Int<kN / 16>>>,
+                                Stride<Stride<Int<kM>, _8, Int<8 * kM>>, Stride<Int<2 * kM>, _1, _16, Int<16 * kM>>>>{};
     return composition(acc, g);
   }
 
@@ -263,17 +378,37 @@ struct HostTraits {
   static void barrier() {}
   static float exp2(float x) { return host_exp2(x); }
   static float tanh(float x) { return std::tanh(x); }
-  // The host compiler vectorises this loop itself (bf16: the round-to-nearest-even of cutlass's cast).
+  // Round to nearest even, by the level's conversion micro-kernel.
   template <class To, int N>
   static cutlass::Array<To, N> convert(cutlass::Array<float, N> const& in) {
     cutlass::Array<To, N> out;
-    for (int i = 0; i < N; ++i) { out[i] = static_cast<To>(in[i]); }
+    host_kernels().convert(in.data(), out.data(), host_dtype<To>(), N);
     return out;
   }
   template <class Tensor>
   static void clear_smem(Tensor&& t) { cute::clear(t); }
   template <class Op>
   static float row_allreduce(float x, Op) { return x; }
+
+  // OnlineSoftmax::rescale_o (softmax.h) for a whole tile, by the level's softmax micro-kernel, which
+  // performs the same per-row steps on vectors of rows.  scores (M, N) and acc_o (M, D) are the (row, col)
+  // views of column-major fragments.
+  template <class RowState, class Scores, class AccO>
+  static void softmax_rescale_o(RowState& row_max, RowState& row_sum, Scores& scores, AccO& acc_o,
+                                float scale_log2, bool first) {
+    using namespace cute;
+    static_assert(host_mode_stride(layout<0>(typename Scores::layout_type{})) == 1 && host_mode_stride(layout<0>(typename AccO::layout_type{})) == 1,
+                  "column-major tiles: rows contiguous");
+    int const rows = int(size<0>(scores));
+    int const live = host_cta_context().live_rows;
+    if (first) {  // rows the micro-kernel skips (past the live rows) reach finalize() as rows without keys
+      for (int i = live; i < rows; ++i) { row_max(i) = -INFINITY, row_sum(i) = 0.f; }
+    }
+    HostSoftmaxArgs const a{&scores(0, 0), host_mode_stride(layout<1>(scores)), int(size<1>(scores)),
+                            &acc_o(0, 0), host_mode_stride(layout<1>(acc_o)), int(size<1>(acc_o)),
+                            &row_max(0), &row_sum(0), rows < live ? rows : live, scale_log2, first};
+    host_kernels().softmax_rescale(a);
+  }
 };
 
 }  // namespace flash_ext

@@ -364,6 +364,15 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   if (!any_head_dim) {
     c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   }
+  // FLASH_EXT_CPU_ISA naming a level this build or CPU cannot run: refused, never replaced by another (an
+  // emulated call runs the Sm80 kernels, not the host micro-kernels).
+  if (q.device().is_cpu() && !emulated(q)) {
+    char const* isa_error = host_isa_selection_error();
+    char const* env = std::getenv("FLASH_EXT_CPU_ISA");
+    c.require(*isa_error == '\0', "FLASH_EXT_CPU_ISA (environment)", std::string("'") + (env ? env : "") + "'",
+              std::string(isa_error) + "; unset it or name a level this CPU runs (best here: " +
+                  host_isa_name(host_isa_best()) + ")");
+  }
   // A partial build (FLASH_EXT_HOST_HEADDIMS / FLASH_EXT_HEADDIMS) has no kernel for larger head dims.
   int64_t const padded = (d + 7) / 8 * 8;
   if (d >= 1 && d <= 256 && emulated(q)) {
@@ -515,6 +524,7 @@ Plan make_plan(FwdParams const& p, at::Tensor const& q) {
                  : dev.cuda   ? "Sm80 traits (CUDA)"
                               : "host traits (CPU)";
   plan.emulated = dev.emulated;
+  if (!dev.cuda && !dev.emulated) { plan.cpu_isa = host_isa_name(host_isa_selected()); }
   TileChoice const t = choose_tile(p, q, dev);
   plan.ok = t.ok;
   if (!t.why.empty()) { plan.reasons.push_back(t.why); }
@@ -567,7 +577,7 @@ std::string plan_to_json(Plan const& plan) {
      << ", \"softcap\": " << b(plan.softcap) << ", \"split\": " << b(plan.num_splits > 1)
      << ", \"dropout\": " << b(plan.dropout) << "}, \"emulated\": " << b(plan.emulated) << ", \"window\": ["
      << plan.window_left << ", " << plan.window_right << "], \"hbm_bytes\": " << plan.hbm_bytes
-     << ", \"naive_hbm_bytes\": " << plan.naive_hbm_bytes << "}";
+     << ", \"naive_hbm_bytes\": " << plan.naive_hbm_bytes << ", \"cpu_isa\": \"" << plan.cpu_isa << "\"}";
   return os.str();
 }
 

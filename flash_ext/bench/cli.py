@@ -91,6 +91,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"flash_ext {meta['flash_ext_version']} ({meta['git_commit']}), torch {meta['torch_version']}, "
           f"device {meta['device_name']}, threads {meta['num_threads']}, cpu capability {meta['cpu_capability']}, "
           f"load average {meta['loadavg_start']}", flush=True)
+    if device.type == "cpu":
+        print(f"flash_ext CPU micro-kernels: {meta['flash_ext_cpu_isa']} (CPU vector flags: "
+              f"{' '.join(meta['cpu_flags']) or 'unknown'})", flush=True)
     if device.type == "cuda" and not build.get("cuda", False):
         print("warning: this flash_ext build has no CUDA kernels; flash_ext rows will show ERR", flush=True)
 

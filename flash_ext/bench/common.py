@@ -140,6 +140,39 @@ def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
     return times
 
 
+def matmul_peak_tflops(device: torch.device, dtypes: Sequence[torch.dtype], warmup: int, repeats: int,
+                       n: int = 2048, budget_s: float = 0.5) -> Dict[str, float]:
+    """TFLOP/s of ``torch.matmul`` on square operands in each dtype, measured in this run: the machine's own
+    dense-GEMM rate, the ceiling an attention kernel (two GEMMs plus a softmax) can approach.  The largest
+    is the reference peak (on CPUs without a native bf16 path the fp32 matmul is the faster).
+
+    The size is ``n`` unless one call of that size would take longer than ``budget_s`` (a dtype without a
+    native path on this CPU: bf16 on AVX2 took 134 s at 2048^3): then the largest multiple of 256 that fits,
+    estimated from a 256^3 probe.  The key names the size used when it is not ``n`` ("bf16@512")."""
+    out: Dict[str, float] = {}
+    for dtype in dtypes:
+        size = n
+        if device.type == "cpu":
+            p = torch.randn(256, 256, device=device).to(dtype)
+            probe = min(time_fn(lambda: torch.matmul(p, p), device, 1, 3))
+            fits = int(256 * (budget_s / max(probe, 1e-9)) ** (1.0 / 3.0)) // 256 * 256
+            size = max(256, min(n, fits))
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        times = time_fn(lambda: torch.matmul(a, b), device, warmup, repeats)
+        key = DTYPE_NAMES[dtype] + ("" if size == n else f"@{size}")
+        out[key] = 2.0 * size ** 3 / statistics.median(times) / 1e12
+    return out
+
+
+def read_bandwidth_gbs(device: torch.device, nbytes: int, warmup: int, repeats: int) -> float:
+    """Memory read bandwidth measured in this run: bytes of a large tensor read by ``tensor.sum()`` per
+    second (the write is one scalar).  A memory-bound decode step reads K and V once; this is its ceiling."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    times = time_fn(lambda: src.sum(), device, warmup, repeats)
+    return src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
 def short_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
@@ -213,6 +246,19 @@ def loadavg() -> Optional[List[float]]:
         return None
 
 
+def cpu_isa_flags() -> List[str]:
+    """The vector-ISA flags /proc/cpuinfo reports (avx*, fma, f16c, amx*), for the record of a CPU figure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(x for x in line.split(":", 1)[1].split()
+                                  if x.startswith(("avx", "amx")) or x in ("fma", "f16c"))
+    except OSError:
+        pass
+    return []
+
+
 def metadata(device: torch.device, mode: str, args: argparse.Namespace) -> Dict[str, Any]:
     meta: Dict[str, Any] = {
         "mode": mode,
@@ -227,6 +273,9 @@ def metadata(device: torch.device, mode: str, args: argparse.Namespace) -> Dict[
         "python": platform.python_version(),
         "num_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # The instruction-set level of flash_ext's CPU micro-kernels (chosen at run time, or FLASH_EXT_CPU_ISA).
+        "flash_ext_cpu_isa": flash_ext.build_info().get("cpu_isa"),
+        "cpu_flags": cpu_isa_flags(),
         "loadavg_start": loadavg(),
         "argv": sys.argv[1:],
     }

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import flash_ext
-from .common import DTYPES, check_against_sdpa_math, fmt, format_table, free_device_memory, time_fn
+from .common import (
+    DTYPES, check_against_sdpa_math, fmt, format_table, free_device_memory, read_bandwidth_gbs, time_fn,
+)
 
 
 
@@ -59,6 +61,7 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     repeats = args.repeats if args.repeats is not None else (30 if cuda else 5)
     copy_gbs = copy_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
+    read_gbs = read_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
     rows: List[DecodeRow] = []
     for sk in seqlens:
         row = DecodeRow(seqlen_k=sk, kv_bytes=2 * b * sk * hk * d * torch.tensor([], dtype=dtype).element_size())
@@ -93,13 +96,14 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
         del q, k_cache, v_cache
         free_device_memory(device)
     headers = ["b", "h", "hk", "d", "seqlen_k", "splits", "flash GB/s", "model GB/s", "model bound", "sdpa GB/s",
-               "copy GB/s", "flash/copy", "flash/sdpa", "check"]
+               "read GB/s", "copy GB/s", "flash/read", "flash/sdpa", "check"]
     table_rows = [[str(b), str(h), str(hk), str(d), str(r.seqlen_k), str(r.num_splits), fmt(r.flash_gbs),
                    fmt(r.kv_bytes / r.model_s / 1e9 if r.model_s else None), r.model_bound or "-",
-                   fmt(r.sdpa_gbs), fmt(copy_gbs), fmt(r.flash_gbs / copy_gbs if r.flash_gbs else None),
+                   fmt(r.sdpa_gbs), fmt(read_gbs), fmt(copy_gbs), fmt(r.flash_gbs / read_gbs if r.flash_gbs else None),
                    fmt(r.flash_gbs / r.sdpa_gbs if r.flash_gbs and r.sdpa_gbs else None), r.check] for r in rows]
-    return {"_table": format_table(headers, table_rows), "_rows": rows, "copy_gbs": copy_gbs,
+    return {"_table": format_table(headers, table_rows), "_rows": rows, "copy_gbs": copy_gbs, "read_gbs": read_gbs,
             "rows": [dict(seqlen_k=r.seqlen_k, num_splits=r.num_splits, flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs,
                           check=r.check, max_err=r.max_err, model_s=r.model_s, model_bound=r.model_bound)
                      for r in rows],
-            "method": "GB/s = bytes of K and V read / median step time; copy GB/s counts read + write"}
+            "method": "GB/s = bytes of K and V read / median step time; read GB/s: a large tensor.sum() in this run "
+                      "(the ceiling of a memory-bound step); copy GB/s counts read + write"}

@@ -14,8 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_ext
 from .common import (
     DTYPES, DTYPE_NAMES, HEADLINE, ImplResult, SDPA_BACKENDS, attention_flops, check_against_sdpa_math,
-    cpu_would_exhaust_ram, fmt, format_table, free_device_memory, is_oom, naive_attention, short_error,
-    time_impl,
+    cpu_would_exhaust_ram, fmt, format_table, free_device_memory, is_oom, matmul_peak_tflops, naive_attention,
+    short_error, time_impl,
 )
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def fwd_configs(args: argparse.Namespace, device: torch.device) -> List[FwdConfi
     return configs
 
 
-def _fwd_table(rows: Sequence[FwdRow], device: torch.device) -> str:
+def _fwd_table(rows: Sequence[FwdRow], device: torch.device, matmul_peak: Optional[float] = None) -> str:
     impl_cols = ["flash_ext"] + [f"sdpa:{n}" for n in SDPA_BACKENDS] + ["naive"]
     # Only columns in which something was measured (or which failed in an interesting way).
     shown = [c for c in impl_cols if any(c in r.impls and r.impls[c].status not in ("skip",) for r in rows)]
@@ -181,7 +181,8 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device) -> str:
     model = any(r.model_ms is not None for r in rows)
     headers = ["dtype", "b", "s", "h", "d", "causal", "flash ms"] + (
         ["model ms", "model bound", "x model"] if model else []) + [f"{c} TF/s" for c in shown] + [
-        "best sdpa", "x best", "x sdpa:flash"] + (["x best (cpu time)"] if cpu else []) + ["max err", "check"]
+        "best sdpa", "x best", "x sdpa:flash"] + (["x best (cpu time)"] if cpu else []) + (
+        ["/ matmul"] if matmul_peak else []) + ["max err", "check"]
     table_rows = []
     for r in rows:
         cells = [r.dtype, str(r.batch), str(r.seqlen), str(r.nheads), str(r.head_dim), "Y" if r.causal else "N"]
@@ -200,7 +201,8 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device) -> str:
             else:
                 cells.append(ir.status)
         cells += [r.best_sdpa.replace("sdpa:", "") if r.best_sdpa else "-", fmt(r.ratio_best_sdpa),
-                  fmt(r.ratio_sdpa_flash)] + ([fmt(r.ratio_best_sdpa_cpu_time)] if cpu else []) + [
+                  fmt(r.ratio_sdpa_flash)] + ([fmt(r.ratio_best_sdpa_cpu_time)] if cpu else []) + (
+                  [fmt(fl.tflops / matmul_peak if fl is not None and fl.tflops else None)] if matmul_peak else []) + [
                   fmt(r.max_err, 2), r.check]
         table_rows.append(cells)
     return format_table(headers, table_rows)
@@ -215,6 +217,13 @@ def run_fwd(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     rows: List[FwdRow] = []
     print(f"fwd: {len(configs)} configurations, warmup {warmup}, median of {repeats}; "
           f"TF/s = TFLOP/s with FLOPs = 4*b*s^2*h*d (/2 causal)", flush=True)
+    # The machine's own GEMM rate in this run (CPU): the "/ matmul" column divides flash_ext's TF/s by the
+    # faster of the benchmark dtype's and fp32's torch.matmul, measured before and after the grid (the max).
+    matmul: Dict[str, float] = {}
+    mm_dtypes = list(dict.fromkeys([DTYPES[args.dtype], torch.float32]))
+    if device.type == "cpu":
+        matmul = matmul_peak_tflops(device, mm_dtypes, warmup, repeats)
+        print(f"  torch.matmul (2048^3 unless @size): " + ", ".join(f"{k} {fmt(v)} TF/s" for k, v in matmul.items()), flush=True)
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
         row = bench_fwd_config(cfg, device, backends, not args.no_naive, warmup, repeats, args.sdpa_layout, notes)
@@ -223,12 +232,21 @@ def run_fwd(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
         print(f"  [{i + 1}/{len(configs)}] {cfg.describe()}: check {row.check}, flash_ext "
               f"{fmt(fl.tflops) if fl and fl.tflops else (fl.status if fl else '-')} TF/s, x best sdpa "
               f"{fmt(row.ratio_best_sdpa)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    matmul_peak = None
+    if device.type == "cpu":
+        after = matmul_peak_tflops(device, mm_dtypes, warmup, repeats)
+        matmul = {k: max(v, after.get(k, 0.0)) for k, v in matmul.items()}
+        matmul_peak = max(matmul.values())
+        notes.append("torch.matmul 2048^3 (unless @size) in this run (best of before/after the grid): "
+                     + ", ".join(f"{k} {fmt(v)} TF/s" for k, v in matmul.items())
+                     + "; '/ matmul' = flash_ext TF/s over the faster")
     return {
         "results": [asdict(r) for r in rows],
+        "matmul_tflops": matmul,
         "notes": notes,
         "timing": {"warmup": warmup, "repeats": repeats, "statistic": "median",
                    "clock": "cuda events" if device.type == "cuda" else "time.perf_counter",
                    "sdpa_layout": args.sdpa_layout},
-        "_table": _fwd_table(rows, device),
+        "_table": _fwd_table(rows, device, matmul_peak),
         "_rows": rows,
     }

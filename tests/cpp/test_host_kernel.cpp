@@ -1,6 +1,8 @@
 // The kernel body instantiated with host traits, against a double-precision loop, without torch: a fast
 // check of the kernel logic (masks, windows, ALiBi, softcap, GQA, uneven shapes, empty rows, dropout with the
-// mask of dropout.h's per-element contract) for ctest.
+// mask of dropout.h's per-element contract) for ctest, with the micro-kernels of every instruction-set level
+// this CPU runs (host_isa.h), and on x86-64 also with the 16-lane AVX-512-BF16 kernel source emulated on
+// AVX2 (tests/cpp/host_isa_emulated.cpp).
 // The pytest suite covers the same ground through the torch op with many more shapes.
 #include <cmath>
 #include <cstdio>
@@ -10,6 +12,10 @@
 #include "flash_ext/launch_host.h"
 
 using namespace flash_ext;
+
+namespace flash_ext {
+HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
+}
 
 struct Case {
   int b, sq, sk, h, hk, d;
@@ -22,7 +28,7 @@ struct Case {
 };
 
 template <class T>
-bool run_case(Case const& c, const char* dtype) {
+bool run_case(Case const& c, const char* dtype, HostKernels const& kernels) {
   std::mt19937 rng(1234);
   std::normal_distribution<float> nd;
   size_t const nq = size_t(c.b) * c.sq * c.h * c.d, nk = size_t(c.b) * c.sk * c.hk * c.d;
@@ -70,7 +76,7 @@ bool run_case(Case const& c, const char* dtype) {
     p.oaccum_ptr = oaccum.data();
     p.lseaccum_ptr = lseaccum.data();
   }
-  run_fwd_host<T>(p, [](int64_t b0, int64_t e0, auto&& f) { f(b0, e0); });
+  run_fwd_host<T>(p, [](int64_t b0, int64_t e0, auto&& f) { f(b0, e0); }, &kernels);
 
   double max_err = 0, max_lse_err = 0;
   bool nan_found = false, inf_mismatch = false;
@@ -119,12 +125,13 @@ bool run_case(Case const& c, const char* dtype) {
           max_err = std::max(max_err, std::abs(acc - double(got)));
         }
       }
-  // Output rounding of the dtype plus fp32 accumulation; P stays fp32 on the host.
+  // Output rounding of the dtype plus fp32 accumulation (P stays fp32, or bf16 where the level multiplies
+  // bf16 pairs: the GPU's rounding).
   double const tol = sizeof(T) == 4 ? 1e-5 : (std::is_same_v<T, cutlass::half_t> ? 2e-3 : 1.6e-2);
   bool const rng_ok = c.p_dropout == 0 || (rng_out[0] == rng_in[0] && rng_out[1] == rng_in[1]);
   bool const ok = !nan_found && !inf_mismatch && max_err <= tol && max_lse_err <= 1e-4 && rng_ok;
-  std::printf("%s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d splits%d p%.2f: |o|err %.2e lse err %.2e%s%s\n",
-              ok ? "ok  " : "FAIL", dtype, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.wl, c.wr, c.softcap, c.alibi,
+  std::printf("%s %-12s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d splits%d p%.2f: |o|err %.2e lse err %.2e%s%s\n",
+              ok ? "ok  " : "FAIL", kernels.name, dtype, c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.wl, c.wr, c.softcap, c.alibi,
               c.num_splits, c.p_dropout, max_err, max_lse_err, inf_mismatch ? " (+inf LSE pattern wrong)" : "",
               rng_ok ? "" : " (rng_state not written back)");
   return ok;
@@ -147,13 +154,28 @@ int main() {
       {1, 200, 333, 3, 3, 96, false, 17, 5, 30.f, true, 1, 0.5},     // dropout with window, softcap, ALiBi
       {1, 5, 1000, 4, 1, 128, false, -1, -1, 0.f, false, 5, 0.25},   // dropout with split-KV (short host tile)
   };
+  std::vector<HostKernels const*> levels;
+  for (int i = 0; i < kNumHostIsas; ++i) {
+    char const* why = host_isa_unavailable_reason(HostIsa(i));
+    if (*why == '\0') {
+      levels.push_back(host_kernels_for(HostIsa(i)));
+    } else {
+      std::printf("skip %s: %s\n", host_isa_name(HostIsa(i)), why);
+    }
+  }
+#if defined(__x86_64__)
+  if (host_isa_supported(HostIsa::kAvx2)) { levels.push_back(host_kernels_avx512_emulated()); }
+#endif
   int failures = 0;
-  for (auto const& c : cases) failures += !run_case<cutlass::bfloat16_t>(c, "bf16");
-  failures += !run_case<cutlass::half_t>(cases[0], "fp16");
-  failures += !run_case<float>(cases[3], "fp32");
-  failures += !run_case<float>(cases[5], "fp32");
-  failures += !run_case<float>(cases[11], "fp32");
-  failures += !run_case<float>(cases[12], "fp32");
+  for (HostKernels const* k : levels) {
+    for (auto const& c : cases) failures += !run_case<cutlass::bfloat16_t>(c, "bf16", *k);
+    failures += !run_case<cutlass::half_t>(cases[0], "fp16", *k);
+    failures += !run_case<cutlass::half_t>(cases[6], "fp16", *k);
+    failures += !run_case<float>(cases[3], "fp32", *k);
+    failures += !run_case<float>(cases[5], "fp32", *k);
+    failures += !run_case<float>(cases[11], "fp32", *k);
+    failures += !run_case<float>(cases[12], "fp32", *k);
+  }
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -1,0 +1,123 @@
+// Which instruction set runs the CPU backend's inner loops, chosen at run time.
+//
+// The kernel body (kernel_fwd.h with HostTraits) is compiled once, for the compiler's baseline target (no
+// -march): a build runs on any CPU of its architecture.  Its per-element work goes through HostKernels, a
+// table of small micro-kernels — a tile GEMM, the online-softmax step, the fp32 -> fp16/bf16 conversion —
+// of which each instruction-set level has its own copy, compiled in its own translation unit
+// (csrc/host/isa_<level>.cpp) with that level's instructions enabled.  The table used is that of the best
+// level the CPU reports (as ATen's CPU capability), or of FLASH_EXT_CPU_ISA when set (a lower one, for
+// testing; a level the CPU lacks is refused by name).  Only the micro-kernels are compiled per level: the
+// body, which dominates compile time, is compiled once.
+//
+// This header is also included by the per-level translation units, so it holds only types and
+// declarations: an inline function here would be emitted by those units too, compiled with their
+// instructions, and the linker could keep that copy for the whole program.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_ext {
+
+// Ordered: a level includes the instructions of the levels below it (on x86-64).
+enum class HostIsa : int {
+  kGeneric = 0,     // the compiler's baseline (x86-64: SSE2; aarch64: NEON), 4 fp32 lanes
+  kAvx2 = 1,        // AVX2 + FMA + F16C (Haswell, Zen 1 and later), 8 fp32 lanes, 16 registers
+  kAvx512 = 2,      // AVX-512 F/BW/DQ/VL (Skylake-SP, Zen 4 and later), 16 fp32 lanes, 32 registers
+  kAvx512Bf16 = 3,  // + AVX512_BF16: bf16 GEMMs by vdpbf16ps (Cooper Lake, Sapphire Rapids, Zen 4)
+};
+inline constexpr int kNumHostIsas = 4;
+
+enum class HostDType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// C(m, n) += sum_k A(m, k) * B(n, k) for m < rows, n < cols, k < depth, with fp32 accumulation.
+//   C: fp32, column-major: C(m, n) = c[m + n * ldc].
+//   A: A(m, k) = a[m * a_ms + k * a_ks] of type a_type;  B: B(n, k) = b[n * b_ns + k * b_ks] of type b_type.
+// Rows are computed a whole vector at a time: rows up to rows rounded up to a multiple of 16 must exist in
+// A and C (their values there are unspecified afterwards).  Columns >= cols of C are neither read nor written.
+// A level with bf16 dot products (kAvx512Bf16) computes a bf16 x bf16 product with both operands rounded
+// to bf16 (exact for bf16 inputs; the fp32 P of P.V is rounded, as on the GPU); every other case multiplies
+// in fp32.
+struct HostGemmArgs {
+  float* c;
+  int64_t ldc;
+  void const* a;
+  HostDType a_type;
+  int64_t a_ms, a_ks;
+  void const* b;
+  HostDType b_type;
+  int64_t b_ns, b_ks;
+  int rows, cols, depth;
+};
+
+// One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles, with the
+// same arithmetic per row: scores S (rows x cols, S(m, n) = s[m + n * lds]) become exp2(S * scale_log2 -
+// max * scale_log2) against the running row maximum; the running sums and O (rows x o_cols, O(m, j) = o[m +
+// j * ldo]) are rescaled to the new maximum.  row_max/row_sum hold one value per row.  Rows are processed a
+// vector at a time, as in HostGemmArgs.
+struct HostSoftmaxArgs {
+  float* s;
+  int64_t lds;
+  int cols;
+  float* o;
+  int64_t ldo;
+  int o_cols;
+  float* row_max;
+  float* row_sum;
+  int rows;
+  float scale_log2;
+  bool first;
+};
+
+struct HostKernels {
+  HostIsa isa;
+  char const* name;  // "generic", "avx2", "avx512", "avx512_bf16"
+  int lanes;         // fp32 lanes of one vector
+  void (*gemm)(HostGemmArgs const&);
+  void (*softmax_rescale)(HostSoftmaxArgs const&);
+  // dst[i] = src[i] rounded to nearest even (NaN stays NaN), i < n; dst has type `to` (kF32: a copy).
+  void (*convert)(float const* src, void* dst, HostDType to, int64_t n);
+};
+
+// --- Selection (csrc/host/host_isa.cpp) ---
+
+char const* host_isa_name(HostIsa isa);
+// Parses "generic", "avx2", "avx512", "avx512_bf16" (also "avx512bf16", "default" = best supported).
+// Returns false for anything else.
+bool host_isa_parse(char const* name, HostIsa* out, bool* is_default);
+// Compiled into this build (x86-64: every level; elsewhere: generic only).
+bool host_isa_compiled(HostIsa isa);
+// The CPU (and the OS, for the AVX-512 register state) supports it.
+bool host_isa_supported(HostIsa isa);
+// Empty when `isa` can run here, else why not ("the CPU lacks avx512_bf16", "not compiled into this build").
+char const* host_isa_unavailable_reason(HostIsa isa);
+// The best level compiled and supported.
+HostIsa host_isa_best();
+// The table of a level; nullptr when it is not compiled.
+HostKernels const* host_kernels_for(HostIsa isa);
+
+// The level calls use: FLASH_EXT_CPU_ISA when set (read once), else the best; host_isa_override changes it
+// for the calls that start afterwards (tests: every level in one process).  A call reads it once and uses
+// that table throughout, so a change during a call never mixes levels within the call.
+HostIsa host_isa_selected();
+// True while the selection is automatic (no FLASH_EXT_CPU_ISA, or "default").
+bool host_isa_automatic();
+// Sets the level ("default" restores the automatic choice).  Returns an empty string on success, else the
+// reason it was refused (unknown name, not compiled, not supported by this CPU); nothing changes then.
+char const* host_isa_override(char const* name);
+// Why FLASH_EXT_CPU_ISA cannot be honoured (an unknown level, or one not compiled or not supported), else
+// "".  The op layer then refuses CPU calls with this reason rather than run another level.
+char const* host_isa_selection_error();
+
+// --- The running call's context, per thread ---
+
+// What the host hooks of one CTA need that the kernel body does not pass them: the micro-kernels of the
+// call and how many query rows of the tile are real.  Rows at and beyond live_rows (past the sequence end)
+// are zero-filled inputs whose outputs are never stored, so the micro-kernels may skip them (a decode
+// step fills 1-16 rows of a 16-row tile).  Set by the launcher (launch_host.h) around each CTA.
+struct HostCtaContext {
+  HostKernels const* kernels = nullptr;
+  int live_rows = 1 << 30;
+};
+HostCtaContext& host_cta_context();
+
+}  // namespace flash_ext

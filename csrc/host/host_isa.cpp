@@ -1,0 +1,205 @@
+// Run-time choice of the host micro-kernels (host_isa.h): what the CPU supports, what the build compiled,
+// FLASH_EXT_CPU_ISA and the test override.  Compiled for the baseline target like the kernel body.
+#include "flash_ext/host_isa.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace flash_ext {
+
+HostKernels const* host_kernels_generic();
+#if defined(__x86_64__)
+HostKernels const* host_kernels_avx2();
+HostKernels const* host_kernels_avx512();
+HostKernels const* host_kernels_avx512_bf16();
+#endif
+
+namespace {
+
+struct IsaInfo {
+  HostIsa isa;
+  char const* name;
+};
+constexpr IsaInfo kIsas[kNumHostIsas] = {
+    {HostIsa::kGeneric, "generic"},
+    {HostIsa::kAvx2, "avx2"},
+    {HostIsa::kAvx512, "avx512"},
+    {HostIsa::kAvx512Bf16, "avx512_bf16"},
+};
+
+// The first CPU feature (as /proc/cpuinfo names it) that `isa` needs and the CPU lacks, else nullptr.
+// __builtin_cpu_supports also checks that the OS saves the AVX / AVX-512 register state.
+char const* missing_feature(HostIsa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  struct Need {
+    HostIsa from;
+    bool have;
+    char const* flag;
+  };
+  Need const needs[] = {
+      {HostIsa::kAvx2, __builtin_cpu_supports("avx2") != 0, "avx2"},
+      {HostIsa::kAvx2, __builtin_cpu_supports("fma") != 0, "fma"},
+      {HostIsa::kAvx2, __builtin_cpu_supports("f16c") != 0, "f16c"},
+      {HostIsa::kAvx512, __builtin_cpu_supports("avx512f") != 0, "avx512f"},
+      {HostIsa::kAvx512, __builtin_cpu_supports("avx512bw") != 0, "avx512bw"},
+      {HostIsa::kAvx512, __builtin_cpu_supports("avx512dq") != 0, "avx512dq"},
+      {HostIsa::kAvx512, __builtin_cpu_supports("avx512vl") != 0, "avx512vl"},
+      {HostIsa::kAvx512Bf16, __builtin_cpu_supports("avx512bf16") != 0, "avx512_bf16"},
+  };
+  for (Need const& n : needs) {
+    if (int(isa) >= int(n.from) && !n.have) { return n.flag; }
+  }
+  return nullptr;
+#else
+  return isa == HostIsa::kGeneric ? nullptr : "x86-64";
+#endif
+}
+
+HostIsa best_supported() {
+  static HostIsa const best = [] {
+    HostIsa b = HostIsa::kGeneric;
+    for (IsaInfo const& i : kIsas) {
+      if (host_isa_compiled(i.isa) && host_isa_supported(i.isa)) { b = i.isa; }
+    }
+    return b;
+  }();
+  return best;
+}
+
+thread_local std::string t_reason;
+
+// Validates a level name: on success stores the selection value (-1: automatic, else the level) and returns
+// "", else returns why not.
+char const* resolve(char const* name, int* value) {
+  HostIsa isa;
+  bool is_default;
+  if (!host_isa_parse(name, &isa, &is_default)) {
+    t_reason = std::string("unknown CPU instruction-set level '") + name +
+               "' (choose generic, avx2, avx512, avx512_bf16 or default)";
+    return t_reason.c_str();
+  }
+  if (!is_default) {
+    char const* why = host_isa_unavailable_reason(isa);
+    if (*why != '\0') { return why; }
+  }
+  *value = is_default ? -1 : int(isa);
+  t_reason.clear();
+  return t_reason.c_str();
+}
+
+// The selection: -1 = automatic (the best).  The environment is read once, at the first use.
+struct Selection {
+  std::atomic<int> isa{-1};
+  std::string env_error;            // why FLASH_EXT_CPU_ISA cannot be honoured; written once, at creation
+  std::atomic<bool> env_bad{false};  // calls are refused with env_error until an override replaces it
+};
+
+Selection& selection() {
+  static Selection* const s = [] {
+    auto* sel = new Selection();
+    char const* env = std::getenv("FLASH_EXT_CPU_ISA");
+    if (env != nullptr && *env != '\0') {
+      int value = -1;
+      char const* why = resolve(env, &value);
+      if (*why != '\0') {
+        sel->env_error = why;
+        sel->env_bad.store(true);
+      } else {
+        sel->isa.store(value);
+      }
+    }
+    return sel;
+  }();
+  return *s;
+}
+
+}  // namespace
+
+char const* host_isa_name(HostIsa isa) {
+  for (IsaInfo const& i : kIsas) {
+    if (i.isa == isa) { return i.name; }
+  }
+  return "?";
+}
+
+bool host_isa_parse(char const* name, HostIsa* out, bool* is_default) {
+  *is_default = false;
+  if (std::strcmp(name, "default") == 0) {
+    *is_default = true;
+    *out = HostIsa::kGeneric;
+    return true;
+  }
+  if (std::strcmp(name, "avx512bf16") == 0) {
+    *out = HostIsa::kAvx512Bf16;
+    return true;
+  }
+  for (IsaInfo const& i : kIsas) {
+    if (std::strcmp(name, i.name) == 0) {
+      *out = i.isa;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool host_isa_compiled(HostIsa isa) { return host_kernels_for(isa) != nullptr; }
+
+bool host_isa_supported(HostIsa isa) { return missing_feature(isa) == nullptr; }
+
+char const* host_isa_unavailable_reason(HostIsa isa) {
+  if (!host_isa_compiled(isa)) {
+    t_reason = std::string(host_isa_name(isa)) + " is not compiled into this build";
+  } else if (char const* flag = missing_feature(isa)) {
+    t_reason = std::string("this CPU lacks ") + flag + " (needed by " + host_isa_name(isa) + ")";
+  } else {
+    t_reason.clear();
+  }
+  return t_reason.c_str();
+}
+
+HostIsa host_isa_best() { return best_supported(); }
+
+HostKernels const* host_kernels_for(HostIsa isa) {
+  switch (isa) {
+    case HostIsa::kGeneric: return host_kernels_generic();
+#if defined(__x86_64__)
+    case HostIsa::kAvx2: return host_kernels_avx2();
+    case HostIsa::kAvx512: return host_kernels_avx512();
+    case HostIsa::kAvx512Bf16: return host_kernels_avx512_bf16();
+#endif
+    default: return nullptr;
+  }
+}
+
+HostIsa host_isa_selected() {
+  int const s = selection().isa.load(std::memory_order_relaxed);
+  return s < 0 ? best_supported() : HostIsa(s);
+}
+
+bool host_isa_automatic() { return selection().isa.load(std::memory_order_relaxed) < 0; }
+
+char const* host_isa_override(char const* name) {
+  int value = -1;
+  char const* why = resolve(name, &value);
+  if (*why == '\0') {
+    Selection& sel = selection();
+    sel.isa.store(value, std::memory_order_relaxed);
+    sel.env_bad.store(false);  // an explicit choice replaces an unusable environment setting
+  }
+  return why;
+}
+
+char const* host_isa_selection_error() {
+  Selection& sel = selection();
+  return sel.env_bad.load() ? sel.env_error.c_str() : "";
+}
+
+HostCtaContext& host_cta_context() {
+  thread_local HostCtaContext ctx;
+  return ctx;
+}
+
+}  // namespace flash_ext

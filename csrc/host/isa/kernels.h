@@ -1,0 +1,478 @@
+// The CPU backend's micro-kernels (host_isa.h: HostKernels), written once over a vector type and compiled
+// once per instruction-set level.  csrc/host/isa_<level>.cpp enables the level's instructions, then defines
+// in flash_ext::(anonymous) before including this file:
+//   kIsa, kName          the level
+//   kLanes               fp32 lanes of one vector (4, 8 or 16)
+//   kAccRegs             vector registers a GEMM block keeps its accumulators in (12 of 16, 24 of 32)
+//   kMaxRowVectors       row vectors per GEMM block, at most (the block is kMaxRowVectors x kAccRegs / it)
+//   vf, vi, vu, vh       GCC vector types: kLanes x float / int32 / uint32 / uint16
+//   vsplat(x)            x in every lane (a broadcast; 0 + x would be an addition, turning -0 into +0)
+//   vfma(a, b, c)        a * b + c (one rounding where the level has FMA)
+//   all_equal(a, b)      every lane of a == b (ordered: NaN is unequal)
+//   load_bf16            kLanes bf16 values -> fp32 vector (a zero-extension and a shift)
+//   load_f16, store_f16  kLanes fp16 values <-> fp32 vector (F16C where the level has it)
+//   kBf16Dot             true where the level has vdpbf16ps; then also
+//   vdot_bf16(acc, a, b) acc + a.lo * b.lo + a.hi * b.hi per lane, a and b holding bf16 pairs in uint32 lanes
+// Everything here has internal linkage (anonymous namespace): each level keeps its own copy, and nothing is
+// instantiated from a shared header (host_isa.h says why).  No standard-library function is called either.
+//
+// Layouts (why the vectors run down the columns): the host tiles are column-major — query rows are the
+// contiguous dimension of S, P and O (traits_host.h).  A GEMM block then holds kAccRegs vectors of C, each
+// a run of rows of one column; every step over k loads the block's A column vectors once and broadcasts
+// one B value per column straight from memory (a broadcast load costs no shuffle), so B needs no packing
+// beyond widening to fp32, whatever its strides.  The softmax reduces over columns, i.e. across vectors:
+// element-wise max and add, with no horizontal reduction.
+#pragma once
+
+#include <cstdint>
+
+#include "flash_ext/host_isa.h"
+
+namespace flash_ext {
+namespace {
+
+static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16);
+static_assert(sizeof(vf) == 4 * kLanes && sizeof(vi) == 4 * kLanes && sizeof(vh) == 2 * kLanes);
+
+#define FLASH_EXT_INLINE inline __attribute__((always_inline))
+
+FLASH_EXT_INLINE vf vload(float const* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+FLASH_EXT_INLINE void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
+FLASH_EXT_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }  // MaxOp's rule, lane by lane
+
+
+// Round to nearest even; NaN becomes 0x7fff (cutlass::bfloat16_t's rule), infinities stay.
+FLASH_EXT_INLINE vh to_bf16_bits(vf x) {
+  vu const bits = (vu)x;
+  vu const rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  vi const is_nan = (vi)((bits & 0x7fffffffu) > 0x7f800000u);
+  return __builtin_convertvector(is_nan ? vu{} + 0x7fffu : rounded, vh);
+}
+
+FLASH_EXT_INLINE vf load_as_f32(void const* p, HostDType t) {
+  if (t == HostDType::kF32) { return vload(static_cast<float const*>(p)); }
+  if (t == HostDType::kBF16) { return load_bf16(static_cast<uint16_t const*>(p)); }
+  return load_f16(static_cast<uint16_t const*>(p));
+}
+
+FLASH_EXT_INLINE float scalar_as_f32(void const* p, int64_t i, HostDType t) {
+  if (t == HostDType::kF32) { return static_cast<float const*>(p)[i]; }
+  uint16_t const h = static_cast<uint16_t const*>(p)[i];
+  alignas(64) uint16_t in[kLanes] = {h};
+  alignas(64) float out[kLanes];
+  vstore(out, load_as_f32(in, t));
+  return out[0];
+}
+
+FLASH_EXT_INLINE int64_t elem_bytes(HostDType t) { return t == HostDType::kF32 ? 4 : 2; }
+FLASH_EXT_INLINE void const* offset(void const* p, int64_t i, HostDType t) {
+  return static_cast<char const*>(p) + i * elem_bytes(t);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// exp2, kLanes at a time, for x <= 127 (the softmax only exponentiates differences to a running maximum,
+// x <= 0 up to rounding): the scalar host_exp2 of traits_host.h — range reduction x = n + f, f in [-0.5,
+// 0.5], and the same degree-6 polynomial for 2^f (relative error ~2e-7) — with the rounding done by adding
+// 1.5 * 2^23, whose sum also holds n in its low mantissa bits, ready to shift into the exponent.  Below -126
+// (and -inf) gives exactly 0; NaN stays NaN (whatever its payload).
+FLASH_EXT_INLINE vf vexp2(vf x) {
+  vi const underflow = x < -126.f;
+  vf const xc = underflow ? vsplat(-126.f) : x;
+  vf const t = xc + 12582912.f;     // 1.5 * 2^23 + round(xc): the sum's mantissa ends in n
+  vf const f = xc - (t - 12582912.f);
+  vf p = vsplat(1.5353362e-4f);
+  p = vfma(p, f, vsplat(1.3398874e-3f));
+  p = vfma(p, f, vsplat(9.6184665e-3f));
+  p = vfma(p, f, vsplat(5.5503385e-2f));
+  p = vfma(p, f, vsplat(2.4022650e-1f));
+  p = vfma(p, f, vsplat(6.9314718e-1f));
+  p = vfma(p, f, vsplat(1.0f));
+  vi const bits = (vi)p + ((vi)t << 23);  // (0x4b400000 + n) << 23 == n << 23 (mod 2^32)
+  // A NaN x is returned as it is: its payload bits in t would otherwise be shifted into p's exponent.
+  return underflow ? vf{} : (x == x ? (vf)bits : x);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// GEMM (HostGemmArgs).  Scratch is on the stack and bounded: the operands are processed in chunks of
+// columns and depth that fit it (the forward's tiles always fit whole).
+constexpr int kRowsPerBlock = kMaxRowVectors * kLanes;
+constexpr int64_t kBScratch = 16384;                    // fp32 elements of widened B (64 KiB)
+constexpr int64_t kAScratch = int64_t(kRowsPerBlock) * 256;  // fp32 elements of one packed A block
+
+// How B's elements are laid out, for the broadcasts of a block: along the columns (B(n, k) = V(k, n) of
+// P.V: one k step reads NR neighbours), along k (K of Q.K^T: each column a contiguous run), or neither.
+enum class BWalk { kColsContiguous, kDepthContiguous, kStrided };
+
+// One register block: C(rows r < RV * kLanes, cols j < NR) += sum_k A(r, k) * B(j, k) with A packed as
+// a[k * lda + r] and B fp32 at b[j * b_ns + k * b_ks].  Columns >= ncols are computed on column 0's data
+// (kept in bounds) and not stored.
+template <int RV, int NR, BWalk kWalk>
+FLASH_EXT_INLINE void gemm_block(float* c, int64_t ldc, float const* a, int64_t lda, float const* b, int64_t b_ns,
+                                 int64_t b_ks, int depth, int ncols) {
+  vf acc[RV][NR];
+  float const* bcol[NR];
+#pragma GCC unroll 32
+  for (int j = 0; j < NR; ++j) {
+    bool const live = j < ncols;
+    bcol[j] = b + (live ? j * b_ns : 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < RV; ++i) { acc[i][j] = live ? vload(c + j * ldc + i * kLanes) : vf{}; }
+  }
+  for (int k = 0; k < depth; ++k) {
+    vf av[RV];
+#pragma GCC unroll 4
+    for (int i = 0; i < RV; ++i) { av[i] = vload(a + i * kLanes); }
+    a += lda;
+#pragma GCC unroll 32
+    for (int j = 0; j < NR; ++j) {
+      float x;
+      if constexpr (kWalk == BWalk::kColsContiguous) {
+        x = b[k * b_ks + (j < ncols ? j : 0)];
+      } else if constexpr (kWalk == BWalk::kDepthContiguous) {
+        x = bcol[j][k];
+      } else {
+        x = bcol[j][k * b_ks];
+      }
+      vf const bv = vsplat(x);
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) { acc[i][j] = vfma(av[i], bv, acc[i][j]); }
+    }
+  }
+#pragma GCC unroll 32
+  for (int j = 0; j < NR; ++j) {
+    if (j < ncols) {
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) { vstore(c + j * ldc + i * kLanes, acc[i][j]); }
+    }
+  }
+}
+
+// The blocks of a run of ncols columns: full NR-column blocks, then one block of exactly the remainder
+// (a narrower block, not a full one with idle columns).
+template <int RV, int NR, BWalk kWalk>
+FLASH_EXT_INLINE void gemm_cols(float* c, int64_t ldc, float const* a, int64_t lda, float const* b, int64_t b_ns,
+                                int64_t b_ks, int depth, int ncols) {
+  if constexpr (NR > 0) {
+    int j = 0;
+    for (; j + NR <= ncols; j += NR) {
+      gemm_block<RV, NR, kWalk>(c + j * ldc, ldc, a, lda, b + j * b_ns, b_ns, b_ks, depth, NR);
+    }
+    if (j < ncols) { gemm_cols<RV, NR - 1, kWalk>(c + j * ldc, ldc, a, lda, b + j * b_ns, b_ns, b_ks, depth, ncols - j); }
+  }
+}
+
+// A(m0 + r, k) for r < RV * kLanes, k < depth, as fp32 at out[k * RV * kLanes + r].
+template <int RV>
+void pack_a_block(HostGemmArgs const& g, int m0, int k0, int depth, float* out) {
+  constexpr int kRows = RV * kLanes;
+  for (int k = 0; k < depth; ++k) {
+    int64_t const base = int64_t(m0) * g.a_ms + int64_t(k0 + k) * g.a_ks;
+    if (g.a_ms == 1) {
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) {
+        vstore(out + k * kRows + i * kLanes, load_as_f32(offset(g.a, base + i * kLanes, g.a_type), g.a_type));
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r) { out[k * kRows + r] = scalar_as_f32(g.a, base + r * g.a_ms, g.a_type); }
+    }
+  }
+}
+
+// B(n0 + j, k0 + k) for j < ncols, k < depth as fp32, keeping B's strides: out[j * b_ns + k * b_ks], over
+// the contiguous span those offsets cover (the caller checked it fits).
+void widen_b(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, float* out) {
+  int64_t const span = int64_t(ncols - 1) * g.b_ns + int64_t(depth - 1) * g.b_ks + 1;
+  void const* src = offset(g.b, int64_t(n0) * g.b_ns + int64_t(k0) * g.b_ks, g.b_type);
+  int64_t i = 0;
+  for (; i + kLanes <= span; i += kLanes) { vstore(out + i, load_as_f32(offset(src, i, g.b_type), g.b_type)); }
+  for (; i < span; ++i) { out[i] = scalar_as_f32(src, i, g.b_type); }
+}
+
+template <int RV>
+void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, float const* b, float* abuf) {
+  constexpr int NR = kAccRegs / RV;
+  float const* a;
+  int64_t lda;
+  if (g.a_type == HostDType::kF32 && g.a_ms == 1) {  // already column-major fp32 (P): in place
+    a = static_cast<float const*>(g.a) + m0 + int64_t(k0) * g.a_ks;
+    lda = g.a_ks;
+  } else {
+    pack_a_block<RV>(g, m0, k0, depth, abuf);
+    a = abuf;
+    lda = RV * kLanes;
+  }
+  float* c = g.c + m0 + int64_t(n0) * g.ldc;
+  if (g.b_ns == 1) {
+    gemm_cols<RV, NR, BWalk::kColsContiguous>(c, g.ldc, a, lda, b, 1, g.b_ks, depth, ncols);
+  } else if (g.b_ks == 1) {
+    gemm_cols<RV, NR, BWalk::kDepthContiguous>(c, g.ldc, a, lda, b, g.b_ns, 1, depth, ncols);
+  } else {
+    gemm_cols<RV, NR, BWalk::kStrided>(c, g.ldc, a, lda, b, g.b_ns, g.b_ks, depth, ncols);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The bf16 GEMM of levels with vdpbf16ps: A and B as bf16 pairs along k, one instruction per pair of k.
+#if FLASH_EXT_ISA_BF16_DOT
+constexpr int64_t kPairScratch = 8192;  // uint32 pairs of B (32 KiB)
+
+FLASH_EXT_INLINE uint32_t bf16_bits_of(float x) {
+  alignas(64) float in[kLanes] = {x};
+  alignas(64) uint16_t out[kLanes];
+  vh const h = to_bf16_bits(vload(in));
+  __builtin_memcpy(out, &h, sizeof(h));
+  return out[0];
+}
+FLASH_EXT_INLINE uint32_t bf16_bits_at(void const* p, int64_t i, HostDType t) {
+  if (t == HostDType::kBF16) { return static_cast<uint16_t const*>(p)[i]; }
+  return bf16_bits_of(scalar_as_f32(p, i, t));
+}
+
+// A(m0 + r, k0 + 2q + {0, 1}) as one uint32 (low half: the even k) at out[q * RV * kLanes + r]; a missing
+// odd k (depth odd) is 0.
+template <int RV>
+void pack_a_pairs(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* out) {
+  constexpr int kRows = RV * kLanes;
+  for (int q = 0; q < (depth + 1) / 2; ++q) {
+    int const k = k0 + 2 * q;
+    bool const has_odd = 2 * q + 1 < depth;
+    int64_t const base = int64_t(m0) * g.a_ms + int64_t(k) * g.a_ks;
+    if (g.a_ms == 1 && g.a_type != HostDType::kF16) {
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) {
+        vh lo, hi{};
+        void const* p0 = offset(g.a, base + i * kLanes, g.a_type);
+        void const* p1 = offset(g.a, base + g.a_ks + i * kLanes, g.a_type);
+        if (g.a_type == HostDType::kBF16) {
+          __builtin_memcpy(&lo, p0, sizeof(lo));
+          if (has_odd) { __builtin_memcpy(&hi, p1, sizeof(hi)); }
+        } else {
+          lo = to_bf16_bits(vload(static_cast<float const*>(p0)));
+          if (has_odd) { hi = to_bf16_bits(vload(static_cast<float const*>(p1))); }
+        }
+        vu const pair = __builtin_convertvector(lo, vu) | (__builtin_convertvector(hi, vu) << 16);
+        __builtin_memcpy(out + q * kRows + i * kLanes, &pair, sizeof(pair));
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r) {
+        uint32_t const lo = bf16_bits_at(g.a, base + r * g.a_ms, g.a_type);
+        uint32_t const hi = has_odd ? bf16_bits_at(g.a, base + r * g.a_ms + g.a_ks, g.a_type) : 0u;
+        out[q * kRows + r] = lo | (hi << 16);
+      }
+    }
+  }
+}
+
+// B(n0 + j, k0 + 2q + {0, 1}) as one uint32 at out[q * ncols + j].
+void pack_b_pairs(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, uint32_t* out) {
+  uint16_t const* b = static_cast<uint16_t const*>(g.b);
+  for (int q = 0; q < (depth + 1) / 2; ++q) {
+    int const k = k0 + 2 * q;
+    bool const has_odd = 2 * q + 1 < depth;
+    for (int j = 0; j < ncols; ++j) {
+      int64_t const at = int64_t(n0 + j) * g.b_ns + int64_t(k) * g.b_ks;
+      uint32_t const lo = b[at];
+      uint32_t const hi = has_odd ? b[at + g.b_ks] : 0u;
+      out[q * ncols + j] = lo | (hi << 16);
+    }
+  }
+}
+
+template <int RV, int NR>
+FLASH_EXT_INLINE void dot_block(float* c, int64_t ldc, uint32_t const* a, uint32_t const* b, int64_t b_js,
+                                int64_t b_qs, int pairs, int ncols) {
+  constexpr int kRows = RV * kLanes;
+  vf acc[RV][NR];
+#pragma GCC unroll 32
+  for (int j = 0; j < NR; ++j) {
+#pragma GCC unroll 4
+    for (int i = 0; i < RV; ++i) { acc[i][j] = j < ncols ? vload(c + j * ldc + i * kLanes) : vf{}; }
+  }
+  for (int q = 0; q < pairs; ++q) {
+    vu av[RV];
+#pragma GCC unroll 4
+    for (int i = 0; i < RV; ++i) { __builtin_memcpy(&av[i], a + q * kRows + i * kLanes, sizeof(vu)); }
+#pragma GCC unroll 32
+    for (int j = 0; j < NR; ++j) {
+      uint32_t bw;
+      __builtin_memcpy(&bw, b + (j < ncols ? j : 0) * b_js + q * b_qs, sizeof(bw));
+      vu const bv = vu{} + bw;
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) { acc[i][j] = vdot_bf16(acc[i][j], av[i], bv); }
+    }
+  }
+#pragma GCC unroll 32
+  for (int j = 0; j < NR; ++j) {
+    if (j < ncols) {
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) { vstore(c + j * ldc + i * kLanes, acc[i][j]); }
+    }
+  }
+}
+
+// B's pairs: straight from B when its k-pairs are adjacent 32-bit words (K row-major: b_ks == 1 and even
+// offsets), else packed.
+template <int RV>
+void dot_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, uint32_t const* bpairs,
+              int64_t b_js, int64_t b_qs, uint32_t* abuf) {
+  constexpr int NR = kAccRegs / RV;
+  pack_a_pairs<RV>(g, m0, k0, depth, abuf);
+  float* c = g.c + m0 + int64_t(n0) * g.ldc;
+  for (int j = 0; j < ncols; j += NR) {
+    dot_block<RV, NR>(c + j * g.ldc, g.ldc, abuf, bpairs + j * b_js, b_js, b_qs, (depth + 1) / 2,
+                      ncols - j < NR ? ncols - j : NR);
+  }
+}
+
+void gemm_bf16_dot(HostGemmArgs const& g) {
+  alignas(64) uint32_t abuf[kAScratch / 2 + kRowsPerBlock];
+  alignas(64) uint32_t bbuf[kPairScratch];
+  int const rows = (g.rows + kLanes - 1) / kLanes * kLanes;
+  // Chunks of depth (an even number) and columns whose packed pairs fit the scratch.
+  int kc = g.depth < 256 ? g.depth : 256;
+  int nc = g.cols;
+  while (int64_t(nc) * ((kc + 1) / 2) > kPairScratch) { nc = (nc + 1) / 2; }
+  for (int k0 = 0; k0 < g.depth; k0 += kc) {
+    int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
+    for (int n0 = 0; n0 < g.cols; n0 += nc) {
+      int const ncols = g.cols - n0 < nc ? g.cols - n0 : nc;
+      uint16_t const* b = static_cast<uint16_t const*>(g.b);
+      int64_t const first = int64_t(n0) * g.b_ns + int64_t(k0) * g.b_ks;
+      uint32_t const* bpairs;
+      int64_t b_js, b_qs;
+      if (g.b_ks == 1 && g.b_ns % 2 == 0 && first % 2 == 0 && depth % 2 == 0) {
+        bpairs = reinterpret_cast<uint32_t const*>(b + first);  // read through memcpy only
+        b_js = g.b_ns / 2;
+        b_qs = 1;
+      } else {
+        pack_b_pairs(g, n0, k0, ncols, depth, bbuf);
+        bpairs = bbuf;
+        b_js = 1;
+        b_qs = ncols;
+      }
+      int m0 = 0;
+      for (; m0 + kRowsPerBlock <= rows; m0 += kRowsPerBlock) {
+        dot_rows<kMaxRowVectors>(g, m0, n0, k0, ncols, depth, bpairs, b_js, b_qs, abuf);
+      }
+      for (; m0 < rows; m0 += kLanes) { dot_rows<1>(g, m0, n0, k0, ncols, depth, bpairs, b_js, b_qs, abuf); }
+    }
+  }
+}
+#endif  // FLASH_EXT_ISA_BF16_DOT
+
+void gemm(HostGemmArgs const& g) {
+  if (g.rows <= 0 || g.cols <= 0 || g.depth <= 0) { return; }
+#if FLASH_EXT_ISA_BF16_DOT
+  if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_dot(g); }
+#endif
+  alignas(64) float abuf[kAScratch];
+  alignas(64) float bbuf[kBScratch];
+  int const rows = (g.rows + kLanes - 1) / kLanes * kLanes;
+  // Chunks of depth and columns whose widened B span fits the scratch (fp32 B is used in place).
+  int kc = g.depth < 256 ? g.depth : 256;
+  int nc = g.cols;
+  auto span = [&](int n, int k) { return int64_t(n - 1) * g.b_ns + int64_t(k - 1) * g.b_ks + 1; };
+  if (g.b_type != HostDType::kF32) {
+    while (span(nc, kc) > kBScratch) {
+      if (nc > 1 && (g.b_ns >= g.b_ks || kc == 1)) {
+        nc = (nc + 1) / 2;
+      } else {
+        kc = (kc + 1) / 2;
+      }
+    }
+  }
+  for (int k0 = 0; k0 < g.depth; k0 += kc) {
+    int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
+    for (int n0 = 0; n0 < g.cols; n0 += nc) {
+      int const ncols = g.cols - n0 < nc ? g.cols - n0 : nc;
+      float const* b;
+      if (g.b_type == HostDType::kF32) {
+        b = static_cast<float const*>(g.b) + int64_t(n0) * g.b_ns + int64_t(k0) * g.b_ks;
+      } else {
+        widen_b(g, n0, k0, ncols, depth, bbuf);
+        b = bbuf;
+      }
+      int m0 = 0;
+      for (; m0 + kRowsPerBlock <= rows; m0 += kRowsPerBlock) {
+        gemm_rows<kMaxRowVectors>(g, m0, n0, k0, ncols, depth, b, abuf);
+      }
+      for (; m0 < rows; m0 += kLanes) { gemm_rows<1>(g, m0, n0, k0, ncols, depth, b, abuf); }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Online-softmax step (HostSoftmaxArgs): OnlineSoftmax::rescale_o of softmax.h with the loop over rows
+// turned into vectors of rows; per row the same operations in the same order.
+void softmax_rescale(HostSoftmaxArgs const& a) {
+  int const rows = (a.rows + kLanes - 1) / kLanes * kLanes;
+  vf const scale = vsplat(a.scale_log2);
+  vf const neg_inf = vsplat(-__builtin_inff());
+  for (int m0 = 0; m0 < rows; m0 += kLanes) {
+    float* s = a.s + m0;
+    vf mx = a.first ? neg_inf : vload(a.row_max + m0);
+    for (int n = 0; n < a.cols; ++n) { mx = vmax(mx, vload(s + n * a.lds)); }
+    // A row that has seen only masked keys keeps max -inf; 0 instead keeps its probabilities at exp2(-inf).
+    vf const m_scaled = mx == neg_inf ? vf{} : mx * scale;
+    vf sum = vf{};
+    if (!a.first) {
+      vf const old_max = vload(a.row_max + m0);
+      vf const correction = vexp2(old_max * scale - m_scaled);
+      sum = vload(a.row_sum + m0) * correction;
+      // Unchanged maxima (most tiles after the first few) give correction == 1 exactly: skip the O pass.
+      if (!all_equal(mx, old_max)) {
+        float* o = a.o + m0;
+        for (int j = 0; j < a.o_cols; ++j) { vstore(o + j * a.ldo, vload(o + j * a.ldo) * correction); }
+      }
+    }
+    vstore(a.row_max + m0, mx);
+    for (int n = 0; n < a.cols; ++n) {
+      vf const p = vexp2(vload(s + n * a.lds) * scale - m_scaled);
+      vstore(s + n * a.lds, p);
+      sum += p;
+    }
+    vstore(a.row_sum + m0, sum);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+void convert(float const* src, void* dst, HostDType to, int64_t n) {
+  int64_t i = 0;
+  if (to == HostDType::kF32) {
+    float* d = static_cast<float*>(dst);
+    for (; i < n; ++i) { d[i] = src[i]; }
+    return;
+  }
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  alignas(64) float tail_in[kLanes];
+  alignas(64) uint16_t tail_out[kLanes];
+  for (; i < n; i += kLanes) {
+    bool const full = i + kLanes <= n;
+    float const* in = src + i;
+    if (!full) {
+      for (int l = 0; l < kLanes; ++l) { tail_in[l] = i + l < n ? src[i + l] : 0.f; }
+      in = tail_in;
+    }
+    uint16_t* out = full ? d + i : tail_out;
+    if (to == HostDType::kBF16) {
+      vh const h = to_bf16_bits(vload(in));
+      __builtin_memcpy(out, &h, sizeof(h));
+    } else {
+      store_f16(out, vload(in));
+    }
+    if (!full) {
+      for (int l = 0; i + l < n; ++l) { d[i + l] = tail_out[l]; }
+    }
+  }
+}
+
+constexpr HostKernels kKernels{kIsa, kName, kLanes, &gemm, &softmax_rescale, &convert};
+
+#undef FLASH_EXT_INLINE
+
+}  // namespace
+}  // namespace flash_ext

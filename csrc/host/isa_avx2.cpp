@@ -1,0 +1,48 @@
+// Host micro-kernels for AVX2 + FMA + F16C: 8 fp32 lanes, 16 ymm registers (12 accumulators per block).
+#if defined(__x86_64__)
+#define FLASH_EXT_ISA_TARGET "avx2,fma,f16c"
+#include "isa/target_begin.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "flash_ext/host_isa.h"
+
+namespace flash_ext {
+namespace {
+
+constexpr HostIsa kIsa = HostIsa::kAvx2;
+constexpr char const* kName = "avx2";
+constexpr int kLanes = 8;
+constexpr int kAccRegs = 12;
+constexpr int kMaxRowVectors = 2;  // 2 x 6 blocks: 12 accumulators, 2 A vectors, 1 broadcast
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+typedef uint16_t vh __attribute__((vector_size(16)));
+
+inline __attribute__((always_inline)) vf vsplat(float x) { return _mm256_set1_ps(x); }
+inline __attribute__((always_inline)) bool all_equal(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)) == 0xff; }
+inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
+  __m256i const x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  return (vf)_mm256_slli_epi32(x, 16);
+}
+inline __attribute__((always_inline)) vf load_f16(uint16_t const* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+}
+inline __attribute__((always_inline)) void store_f16(uint16_t* p, vf x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+}  // namespace
+}  // namespace flash_ext
+
+#define FLASH_EXT_ISA_BF16_DOT 0
+#include "isa/kernels.h"
+
+namespace flash_ext {
+HostKernels const* host_kernels_avx2() { return &kKernels; }
+}  // namespace flash_ext
+#endif  // __x86_64__

@@ -1,0 +1,88 @@
+// Test-only level: the micro-kernel source as the AVX-512 levels compile it — 16 lanes, 24 accumulators,
+// bf16 pairs multiplied as vdpbf16ps does — but built for AVX2, each 16-lane operation done as two 8-lane
+// ones and vdpbf16ps emulated (odd pair element first, then even, each product exact in fp32, as the
+// instruction's definition orders them).  It lets an AVX2-only CPU run the 16-lane blocking, the pair
+// packing and the chunking of the AVX-512 kernels; what it cannot check is the AVX-512 instructions
+// themselves.  Not part of the extension.
+#if defined(__x86_64__)
+#define FLASH_EXT_ISA_TARGET "avx2,fma,f16c"
+#include "isa/target_begin.h"
+// 16-lane vectors without AVX-512: GCC notes that passing them by value would change the ABI; every such
+// function here is inlined, and nothing of this unit is called with them across units.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "flash_ext/host_isa.h"
+
+namespace flash_ext {
+namespace {
+
+constexpr HostIsa kIsa = HostIsa::kAvx512Bf16;
+constexpr char const* kName = "avx512_bf16 (emulated on avx2)";
+constexpr int kLanes = 16;
+constexpr int kAccRegs = 24;
+constexpr int kMaxRowVectors = 2;
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+struct Halves {
+  __m256 lo, hi;
+};
+inline Halves split(vf v) {
+  Halves h;
+  std::memcpy(&h, &v, sizeof(v));
+  return h;
+}
+inline vf join(__m256 lo, __m256 hi) {
+  Halves const h{lo, hi};
+  vf v;
+  std::memcpy(&v, &h, sizeof(v));
+  return v;
+}
+
+inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline bool all_equal(vf a, vf b) {
+  Halves const x = split(a), y = split(b);
+  return _mm256_movemask_ps(_mm256_cmp_ps(x.lo, y.lo, _CMP_EQ_OQ)) == 0xff &&
+         _mm256_movemask_ps(_mm256_cmp_ps(x.hi, y.hi, _CMP_EQ_OQ)) == 0xff;
+}
+inline vf vfma(vf a, vf b, vf c) {
+  Halves const x = split(a), y = split(b), z = split(c);
+  return join(_mm256_fmadd_ps(x.lo, y.lo, z.lo), _mm256_fmadd_ps(x.hi, y.hi, z.hi));
+}
+inline vf load_bf16(uint16_t const* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+inline vf load_f16(uint16_t const* p) {
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p + 8))));
+}
+inline void store_f16(uint16_t* p, vf x) {
+  Halves const h = split(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(h.lo, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(h.hi, _MM_FROUND_TO_NEAREST_INT));
+}
+inline vf vdot_bf16(vf acc, vu a, vu b) {
+  vf const a_even = (vf)(a << 16), a_odd = (vf)(a & 0xffff0000u);
+  vf const b_even = (vf)(b << 16), b_odd = (vf)(b & 0xffff0000u);
+  return vfma(a_even, b_even, vfma(a_odd, b_odd, acc));
+}
+
+}  // namespace
+}  // namespace flash_ext
+
+#define FLASH_EXT_ISA_BF16_DOT 1
+#include "isa/kernels.h"
+
+namespace flash_ext {
+HostKernels const* host_kernels_avx512_emulated() { return &kKernels; }
+}  // namespace flash_ext
+#endif  // __x86_64__

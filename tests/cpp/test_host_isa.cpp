@@ -1,0 +1,327 @@
+// The host micro-kernels of every instruction-set level this build contains and this CPU can run
+// (host_isa.h), each against a plain scalar reference, without torch: the GEMM over operand types, strides,
+// ragged sizes and chunked depths; the online-softmax step over first/later tiles, masked (-inf) rows and
+// NaN, in double and against softmax.h's own OnlineSoftmax::rescale_o (the code it stands in for on the
+// host: a change to one that the other lacks fails here); the fp32 -> bf16/fp16 conversion bit for bit
+// against cutlass's.  Levels the CPU lacks are reported
+// as skipped with the missing feature; an extra level (test_host_isa_emulated) runs the 16-lane AVX-512
+// kernel source on AVX2, bf16 dot products emulated, so that its blocking is exercised on any x86-64 CPU.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <cutlass/numeric_types.h>
+
+#include "flash_ext/host_isa.h"
+#include "flash_ext/softmax.h"
+#include "flash_ext/traits_host.h"
+
+namespace flash_ext {
+HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
+}
+
+using namespace flash_ext;
+
+static int g_failures = 0;
+#define CHECK(cond, ...)                               \
+  do {                                                 \
+    if (!(cond)) {                                     \
+      ++g_failures;                                    \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::printf(__VA_ARGS__);                        \
+      std::printf("\n");                               \
+    }                                                  \
+  } while (0)
+
+namespace {
+
+std::mt19937 g_rng(42);
+
+float bf16_round(float x) { return float(cutlass::bfloat16_t(x)); }
+
+// Operand storage of one type, with an fp32 copy of the exact values it holds.
+struct Operand {
+  HostDType type;
+  std::vector<float> f32;
+  std::vector<uint16_t> u16;
+  std::vector<float> value;  // what the stored element means, as fp32
+  void const* ptr() const { return type == HostDType::kF32 ? static_cast<void const*>(f32.data()) : u16.data(); }
+};
+
+Operand make_operand(HostDType t, int64_t n) {
+  std::normal_distribution<float> nd;
+  Operand o{t, {}, {}, std::vector<float>(n)};
+  if (t == HostDType::kF32) { o.f32.resize(n); } else { o.u16.resize(n); }
+  for (int64_t i = 0; i < n; ++i) {
+    float const x = nd(g_rng);
+    if (t == HostDType::kF32) {
+      o.f32[i] = o.value[i] = x;
+    } else if (t == HostDType::kBF16) {
+      cutlass::bfloat16_t const h(x);
+      o.u16[i] = h.raw(), o.value[i] = float(h);
+    } else {
+      cutlass::half_t const h(x);
+      o.u16[i] = h.raw(), o.value[i] = float(h);
+    }
+  }
+  return o;
+}
+
+char const* type_name(HostDType t) { return t == HostDType::kF32 ? "f32" : t == HostDType::kBF16 ? "bf16" : "f16"; }
+
+struct GemmCase {
+  HostDType a_type, b_type;
+  int rows, cols, depth;
+  bool a_col_major;  // else row-major (a_ms = depth)
+  bool b_k_contiguous;
+};
+
+void check_gemm(HostKernels const& k, GemmCase const& gc) {
+  int const rows_alloc = (gc.rows + 15) / 16 * 16;
+  int64_t const lda_pad = 3;  // strides that are not the dense ones
+  int64_t const a_ms = gc.a_col_major ? 1 : gc.depth + lda_pad;
+  int64_t const a_ks = gc.a_col_major ? rows_alloc + lda_pad : 1;
+  int64_t const b_ns = gc.b_k_contiguous ? gc.depth + 2 : 1;
+  int64_t const b_ks = gc.b_k_contiguous ? 1 : gc.cols + 5;
+  Operand const a = make_operand(gc.a_type, a_ms * (rows_alloc - 1) + a_ks * (gc.depth - 1) + 1);
+  Operand const b = make_operand(gc.b_type, b_ns * (gc.cols - 1) + b_ks * (gc.depth - 1) + 1);
+  int64_t const ldc = rows_alloc + 8;
+  std::vector<float> c(ldc * (gc.cols + 1), 0.f);
+  std::normal_distribution<float> nd;
+  for (auto& x : c) { x = nd(g_rng); }
+  std::vector<float> const c0 = c;
+  HostGemmArgs const g{c.data(), ldc, a.ptr(), gc.a_type, a_ms, a_ks, b.ptr(), gc.b_type, b_ns, b_ks,
+                       gc.rows, gc.cols, gc.depth};
+  k.gemm(g);
+  // A level with bf16 dot products rounds both operands of a bf16-B product to bf16.
+  bool const rounds = k.isa == HostIsa::kAvx512Bf16 && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
+  double max_err = 0;
+  bool untouched_ok = true;
+  for (int n = 0; n < gc.cols + 1; ++n) {
+    for (int m = 0; m < ldc; ++m) {
+      float const got = c[m + n * ldc];
+      if (n == gc.cols || m >= rows_alloc) {  // columns >= cols and rows past the allocation: untouched
+        untouched_ok = untouched_ok && got == c0[m + n * ldc];
+        continue;
+      }
+      if (m >= gc.rows) { continue; }  // rows up to the vector boundary: unspecified
+      double ref = c0[m + n * ldc], mag = std::fabs(ref);
+      for (int kk = 0; kk < gc.depth; ++kk) {
+        double av = a.value[m * a_ms + kk * a_ks], bv = b.value[n * b_ns + kk * b_ks];
+        if (rounds) { av = bf16_round(float(av)), bv = bf16_round(float(bv)); }
+        ref += av * bv;
+        mag += std::fabs(av * bv);
+      }
+      max_err = std::max(max_err, std::fabs(got - ref) / (mag + 1e-6));
+    }
+  }
+  CHECK(untouched_ok, "%s gemm a=%s b=%s %dx%dx%d: wrote outside its columns/rows", k.name, type_name(gc.a_type),
+        type_name(gc.b_type), gc.rows, gc.cols, gc.depth);
+  // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
+  CHECK(max_err < 1e-5, "%s gemm a=%s%s b=%s%s %dx%dx%d: relative error %.3g", k.name, type_name(gc.a_type),
+        gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), gc.b_k_contiguous ? "(k-contig)" : "(n-contig)",
+        gc.rows, gc.cols, gc.depth, max_err);
+}
+
+void check_gemms(HostKernels const& k) {
+  HostDType const types[] = {HostDType::kF32, HostDType::kBF16, HostDType::kF16};
+  int const shapes[][3] = {{128, 64, 64}, {16, 64, 256}, {128, 256, 64}, {4, 7, 5}, {33, 13, 40}, {16, 1, 1},
+                           {128, 70, 300}, {48, 300, 70}};
+  int n = 0;
+  for (HostDType at : types) {
+    for (HostDType bt : types) {
+      for (auto const& s : shapes) {
+        for (int layout = 0; layout < 4; ++layout) {
+          check_gemm(k, GemmCase{at, bt, s[0], s[1], s[2], (layout & 1) == 0, (layout & 2) == 0});
+          ++n;
+        }
+      }
+    }
+  }
+  std::printf("  gemm: %d cases\n", n);
+}
+
+// The online-softmax step of softmax.h (OnlineSoftmax::rescale_o), written per row in double.
+void check_softmax(HostKernels const& k) {
+  int const rows = 37, rows_alloc = 48, cols = 64, o_cols = 40;
+  int64_t const lds = rows_alloc + 3, ldo = rows_alloc + 5;
+  std::normal_distribution<float> nd;
+  std::vector<float> s(lds * cols), o(ldo * o_cols), mx(rows_alloc), sm(rows_alloc);
+  std::vector<double> rmx(rows_alloc), rsm(rows_alloc), ro(ldo * o_cols);
+  float const scale = 0.18f;
+  int n_checked = 0;
+  for (int step = 0; step < 4; ++step) {
+    bool const first = step == 0;
+    for (int i = 0; i < lds * cols; ++i) { s[i] = nd(g_rng) * 3.f; }
+    for (int m = 0; m < rows; ++m) {
+      for (int n = 0; n < cols; ++n) {
+        if (m % 7 == 3 && step < 2) { s[m + n * lds] = -INFINITY; }  // a row that sees no key (yet)
+        if (m == 11 && n % 5 == 0) { s[m + n * lds] = -INFINITY; }   // masked keys among visible ones
+        if (m == 20 && step == 1) { s[m + n * lds] = 50.f + n; }      // a raised maximum
+      }
+    }
+    if (first) {
+      for (int i = 0; i < ldo * o_cols; ++i) { o[i] = float(ro[i] = nd(g_rng)); }
+    }
+    std::vector<float> const s_in = s;
+    HostSoftmaxArgs const args{s.data(), lds, cols, o.data(), ldo, o_cols, mx.data(), sm.data(), rows, scale, first};
+    k.softmax_rescale(args);
+    for (int m = 0; m < rows; ++m) {
+      double mrow = first ? -INFINITY : rmx[m];
+      for (int n = 0; n < cols; ++n) { mrow = std::max(mrow, double(s_in[m + n * lds])); }
+      double const msc = mrow == -INFINITY ? 0.0 : mrow * scale;
+      double sum = first ? 0.0 : rsm[m] * std::exp2(rmx[m] * scale - msc);
+      if (!first) {
+        double const corr = std::exp2(rmx[m] * scale - msc);
+        for (int j = 0; j < o_cols; ++j) { ro[m + j * ldo] *= corr; }
+      }
+      rmx[m] = mrow;
+      // fp32 forms x * scale - max * scale: its rounding (a few ulps of the operands' magnitude) moves the
+      // exponent; the polynomial adds ~2e-7.
+      auto tol = [&](double x) { return std::isinf(x) ? 0.0 : 4e-7 + 0.7 * 2.5e-7 * (std::fabs(x * scale) + std::fabs(msc)); };
+      for (int n = 0; n < cols; ++n) {
+        double const p = std::exp2(double(s_in[m + n * lds]) * scale - msc);
+        sum += p;
+        double const got = s[m + n * lds];
+        CHECK(std::fabs(got - p) <= tol(s_in[m + n * lds]) * p + 1e-30,
+              "%s softmax step %d row %d col %d: p %.9g, expected %.9g", k.name, step, m, n, got, p);
+        ++n_checked;
+      }
+      rsm[m] = sum;
+      CHECK(float(mrow) == mx[m] || (std::isinf(mrow) && std::isinf(mx[m])), "%s softmax row %d: max %g vs %g",
+            k.name, m, mx[m], mrow);
+      CHECK(std::fabs(sm[m] - sum) <= (1e-5 + tol(mrow == -INFINITY ? 0 : mrow)) * sum + 1e-30, "%s softmax step %d row %d: sum %.9g, expected %.9g",
+            k.name, step, m, sm[m], sum);
+      for (int j = 0; j < o_cols; ++j) {
+        double const want = ro[m + j * ldo];
+        CHECK(std::fabs(o[m + j * ldo] - want) <= (1e-6 + tol(mrow == -INFINITY ? 0 : mrow)) * std::fabs(want) + 1e-30,
+              "%s softmax step %d: O(%d, %d) %.9g, expected %.9g", k.name, step, m, j, o[m + j * ldo], want);
+      }
+    }
+    // Keep the reference's O in step with the kernel's (both are fp32 storage in the real kernel).
+    for (int m = 0; m < rows; ++m) {
+      for (int j = 0; j < o_cols; ++j) { ro[m + j * ldo] = o[m + j * ldo]; }
+    }
+  }
+  // NaN in: NaN out (the row's probabilities and sum), as the scalar code does, whatever the NaN's payload
+  // and sign (a payload must not leak into the exponent arithmetic of exp2).
+  for (uint32_t const nan_bits : {0x7fc00000u, 0x7fc12345u, 0xffc001ffu, 0x7f800001u}) {
+    float nan_value;
+    std::memcpy(&nan_value, &nan_bits, sizeof(nan_value));
+    std::fill(s.begin(), s.end(), 0.f);
+    s[5 + 3 * lds] = nan_value;
+    s[30 + 0 * lds] = nan_value;  // the first column: the max starts from it
+    HostSoftmaxArgs const args{s.data(), lds, cols, o.data(), ldo, o_cols, mx.data(), sm.data(), rows, scale, true};
+    k.softmax_rescale(args);
+    CHECK(std::isnan(sm[5]) && std::isnan(s[5 + 3 * lds]) && std::isnan(sm[30]),
+          "%s softmax: NaN score 0x%08x does not give a NaN row", k.name, nan_bits);
+    CHECK(!std::isnan(sm[4]) && !std::isnan(sm[6]), "%s softmax: NaN leaks into other rows", k.name);
+  }
+  std::printf("  softmax: %d probabilities\n", n_checked);
+}
+
+// softmax.h's generic step, instantiated with scalar traits (no host hook), on the same column-major tiles.
+struct ScalarSoftmaxTraits {
+  static float exp2(float x) { return host_exp2(x); }
+  template <class Op>
+  static float row_allreduce(float x, Op) { return x; }
+};
+
+void check_softmax_matches_generic(HostKernels const& k) {
+  using namespace cute;
+  constexpr int kRows = 48, kCols = 64, kOCols = 32;
+  std::normal_distribution<float> nd;
+  std::vector<float> s(kRows * kCols), o(kRows * kOCols), s_gen, o_gen;
+  for (auto& x : o) { x = nd(g_rng); }
+  o_gen = o;
+  OnlineSoftmax<ScalarSoftmaxTraits, kRows> gen;
+  std::vector<float> mx(kRows), sm(kRows);
+  float const scale = 0.125f * 1.4426950f;
+  double worst = 0;
+  for (int step = 0; step < 3; ++step) {
+    for (int i = 0; i < kRows * kCols; ++i) { s[i] = nd(g_rng) * (step == 1 ? 6.f : 2.f); }
+    for (int n = 0; n < kCols; n += 3) { s[5 + n * kRows] = -INFINITY; }  // masked keys
+    if (step == 0) {
+      for (int n = 0; n < kCols; ++n) { s[9 + n * kRows] = -INFINITY; }  // a row that sees nothing yet
+    }
+    s_gen = s;
+    auto scores = make_tensor(s_gen.data(), make_layout(Shape<Int<kRows>, Int<kCols>>{}, LayoutLeft{}));
+    auto acc_o = make_tensor(o_gen.data(), make_layout(Shape<Int<kRows>, Int<kOCols>>{}, LayoutLeft{}));
+    gen.rescale_o(scores, acc_o, scale, step == 0);
+    HostSoftmaxArgs const a{s.data(), kRows, kCols, o.data(), kRows, kOCols, mx.data(), sm.data(), kRows, scale,
+                            step == 0};
+    k.softmax_rescale(a);
+    auto rel = [](float x, float y) { return x == y ? 0.0 : std::fabs(double(x) - y) / std::max(std::fabs(double(y)), 1e-30); };
+    for (int i = 0; i < kRows * kCols; ++i) { worst = std::max(worst, rel(s[i], s_gen[i])); }
+    for (int i = 0; i < kRows * kOCols; ++i) { worst = std::max(worst, rel(o[i], o_gen[i])); }
+    for (int m = 0; m < kRows; ++m) {
+      CHECK(mx[m] == gen.row_max(m) || (std::isinf(mx[m]) && mx[m] == gen.row_max(m)), "%s softmax vs generic: row %d max %g vs %g",
+            k.name, m, mx[m], gen.row_max(m));
+      worst = std::max(worst, rel(sm[m], gen.row_sum(m)));
+    }
+  }
+  // Same polynomial and order of operations; fused multiply-adds move the last bits.
+  CHECK(worst < 2e-6, "%s softmax differs from softmax.h's rescale_o by %.3g (relative)", k.name, worst);
+  std::printf("  softmax vs softmax.h's rescale_o: max relative difference %.2g\n", worst);
+}
+
+void check_convert(HostKernels const& k) {
+  std::vector<float> in;
+  std::uniform_real_distribution<float> ud(-8.f, 8.f);
+  for (int i = 0; i < 1000; ++i) { in.push_back(ud(g_rng) * std::exp2(float(i % 40 - 20))); }
+  float const special[] = {0.f, -0.f, INFINITY, -INFINITY, 65504.f, 65520.f, 70000.f, 1e-8f, -6e-8f, 3e38f,
+                           1.0009765625f, 1.00048828125f, 1.00146484375f};
+  for (float x : special) { in.push_back(x); }
+  in.push_back(NAN);
+  for (HostDType t : {HostDType::kBF16, HostDType::kF16}) {
+    for (int64_t n : {int64_t(in.size()), int64_t(in.size()) - 3, int64_t(5)}) {
+      std::vector<uint16_t> out(n + 1, 0xabcd);
+      k.convert(in.data(), out.data(), t, n);
+      int bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t const want = t == HostDType::kBF16 ? cutlass::bfloat16_t(in[i]).raw() : cutlass::half_t(in[i]).raw();
+        bool const nan_ok = std::isnan(in[i]) && (t == HostDType::kBF16 ? (out[i] & 0x7fff) > 0x7f80 : (out[i] & 0x7fff) > 0x7c00);
+        if (out[i] != want && !nan_ok) {
+          if (bad++ < 3) { std::printf("    %s: %.9g -> 0x%04x, cutlass 0x%04x\n", type_name(t), in[i], out[i], want); }
+        }
+      }
+      CHECK(bad == 0, "%s convert to %s (n=%lld): %d values differ from cutlass's rounding", k.name, type_name(t),
+            (long long)n, bad);
+      CHECK(out[n] == 0xabcd, "%s convert to %s wrote past n", k.name, type_name(t));
+    }
+  }
+  std::printf("  convert: %zu values x 2 types\n", in.size());
+}
+
+void check_level(HostKernels const& k) {
+  std::printf("%s (%d lanes)\n", k.name, k.lanes);
+  check_gemms(k);
+  check_softmax(k);
+  check_softmax_matches_generic(k);
+  check_convert(k);
+}
+
+}  // namespace
+
+int main() {
+  for (int i = 0; i < kNumHostIsas; ++i) {
+    HostIsa const isa = HostIsa(i);
+    char const* why = host_isa_unavailable_reason(isa);
+    if (*why != '\0') {
+      std::printf("%s: skipped (%s)\n", host_isa_name(isa), why);
+      continue;
+    }
+    check_level(*host_kernels_for(isa));
+  }
+#if defined(__x86_64__)
+  if (host_isa_supported(HostIsa::kAvx2)) {
+    check_level(*host_kernels_avx512_emulated());
+  } else {
+    std::printf("avx512 emulated on avx2: skipped (this CPU lacks avx2)\n");
+  }
+#endif
+  std::printf("%d failures\n", g_failures);
+  return g_failures == 0 ? 0 : 1;
+}

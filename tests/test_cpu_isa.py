@@ -1,0 +1,137 @@
+"""The CPU backend at every instruction-set level this build contains and this CPU runs.
+
+The kernel body is compiled once; its per-element work runs in micro-kernels compiled per level and chosen
+at run time (csrc/flash_ext/host_isa.h).  The rest of the suite runs the level chosen automatically (the
+best one, or FLASH_EXT_CPU_ISA); here each level in turn runs a sample of the forward reference grid
+(tests/test_fwd.py's default sample, every dtype, head dim and flag set) and the decode, varlen, KV-cache
+and split-KV cases, against the same float64 reference and pass rule.  A level this CPU lacks is skipped
+with the missing CPU feature named (an AVX2-only machine compiles the AVX-512 levels but cannot run them;
+tests/cpp/test_host_isa.cpp still runs their 16-lane kernel source emulated on AVX2).  Also: the selection
+itself — explain() and build_info() report the level in use, and a level or FLASH_EXT_CPU_ISA value that
+cannot run is refused with a ValueError, never run as another level or left to crash.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flash_ext
+from flash_ext import _C
+
+import test_fwd
+import test_kvcache as kvcache_tests  # not `test_kvcache`: the test functions below have that name
+import test_varlen as varlen_tests
+
+LEVELS = ["generic", "avx2", "avx512", "avx512_bf16"]
+
+
+@pytest.fixture(params=LEVELS)
+def cpu_isa(request) -> str:
+    """Runs the test with the CPU micro-kernels of one level, skipping levels this build or CPU lacks."""
+    why = flash_ext.build_info()["cpu_isas"][request.param]["unavailable"]
+    if why:
+        pytest.skip(why)
+    previous = _C.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _C.set_cpu_isa(previous)
+
+
+# Every 6th case of the default sample: all three dtypes, every flag set, most head dims and shapes.
+FWD_SAMPLE = test_fwd.DEFAULT_CASES[::6]
+
+
+def test_fwd_sample_coverage() -> None:
+    assert {c[5] for c in FWD_SAMPLE} == set(test_fwd.DTYPES)
+    assert {c[4] for c in FWD_SAMPLE} == set(test_fwd.FLAG_SETS)
+    assert len({c[2] for c in FWD_SAMPLE}) >= 8
+
+
+@pytest.mark.parametrize("case", FWD_SAMPLE, ids=[test_fwd._case_id(c) for c in FWD_SAMPLE])
+def test_fwd_sample(cpu_isa: str, case) -> None:
+    test_fwd.run_case("cpu", *case)
+
+
+@pytest.mark.parametrize("sq", [1, 16, 17])
+def test_short_queries_and_decode(cpu_isa: str, sq: int) -> None:
+    # sq = 1 with GQA runs the query heads of a K/V group as rows of a 16-row tile.
+    test_fwd.test_short_queries("cpu", sq, causal=True)
+
+
+@pytest.mark.parametrize("case", [0, 2, 6])
+def test_varlen(cpu_isa: str, case: int) -> None:
+    varlen_tests.test_varlen_matches_per_sequence_reference("cpu", case)
+
+
+@pytest.mark.parametrize("case", [0, 1, 4])
+def test_kvcache(cpu_isa: str, case: int) -> None:
+    kvcache_tests.test_kvcache_matches_reference("cpu", case)
+
+
+def test_paged_split_kv(cpu_isa: str) -> None:
+    kvcache_tests.test_paged_equals_contiguous("cpu", num_splits=4)
+
+
+def test_level_in_use_is_reported(cpu_isa: str) -> None:
+    assert flash_ext.build_info()["cpu_isa"] == cpu_isa
+    q = torch.randn(1, 10, 2, 64)
+    assert flash_ext.explain(q, q, q, verbose=False).plan["cpu_isa"] == cpu_isa
+
+
+def test_levels_listed() -> None:
+    info = flash_ext.build_info()
+    assert list(info["cpu_isas"]) == LEVELS
+    generic = info["cpu_isas"]["generic"]
+    assert generic["compiled"] and generic["supported"] and not generic["unavailable"]
+    assert info["cpu_isa_best"] in LEVELS and not info["cpu_isas"][info["cpu_isa_best"]]["unavailable"]
+    for name, level in info["cpu_isas"].items():
+        # Runnable exactly when compiled and supported; otherwise the reason says which.
+        assert (level["unavailable"] == "") == (level["compiled"] and level["supported"]), name
+
+
+def test_unavailable_level_refused() -> None:
+    levels = flash_ext.build_info()["cpu_isas"]
+    missing = [name for name in LEVELS if levels[name]["unavailable"]]
+    if not missing:
+        pytest.skip("this CPU runs every compiled level")
+    name = missing[-1]
+    before = flash_ext.build_info()["cpu_isa"]
+    with pytest.raises(ValueError, match=levels[name]["unavailable"].split(" (")[0]):
+        _C.set_cpu_isa(name)
+    assert flash_ext.build_info()["cpu_isa"] == before  # nothing changed
+    with pytest.raises(ValueError, match="unknown CPU instruction-set level"):
+        _C.set_cpu_isa("sse9")
+
+
+def _run_with_env(value: str, code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FLASH_EXT_CPU_ISA=value)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+CALL = ("import torch, flash_ext; q = torch.randn(1, 20, 2, 64); "
+        "print(flash_ext.build_info()['cpu_isa']); flash_ext.flash_attn_func(q, q, q); print('ran')")
+
+
+def test_env_selects_level() -> None:
+    r = _run_with_env("generic", CALL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["generic", "ran"]
+
+
+@pytest.mark.parametrize("value", ["avx512_bf16", "sse9"])
+def test_env_unusable_level_refused(value: str) -> None:
+    why = flash_ext.build_info()["cpu_isas"].get(value, {}).get("unavailable", "unknown")
+    if not why:
+        pytest.skip(f"this CPU runs {value}")
+    r = _run_with_env(value, CALL)
+    assert r.returncode != 0 and "ran" not in r.stdout
+    assert "ValueError" in r.stderr and "FLASH_EXT_CPU_ISA" in r.stderr, r.stderr[-2000:]
+    expected = "unknown CPU instruction-set level" if value == "sse9" else why.split(" (")[0]
+    assert expected in r.stderr, r.stderr[-2000:]
