@@ -98,6 +98,21 @@ def cuda_archs() -> list[str]:
     return archs
 
 
+def heaviest_first(sources: list[pathlib.Path]) -> list[str]:
+    """The sources in the order ninja should start them: with no build log (a fresh build, as in CI) ninja
+    starts ready compiles in the order they are listed, so a heavy unit listed last would run alone at the
+    end while the other jobs idle.  Measured costs (docs/kernels.md): a CUDA backward unit > a CUDA forward
+    unit (both per arch) > an emulated Sm80 unit > the host kernel units > the op layer and the rest."""
+    def rank(path: pathlib.Path) -> int:
+        rel = path.relative_to(ROOT).as_posix()
+        for i, prefix in enumerate(("csrc/cuda/generated/bwd_", "csrc/cuda/generated/fwd_", "csrc/emu/generated/",
+                                    "csrc/host/fwd_host_", "csrc/host/bwd_host_", "csrc/module.cpp")):
+            if rel.startswith(prefix):
+                return i
+        return 6
+    return [str(p.relative_to(ROOT)) for p in sorted(sources, key=lambda p: (rank(p), str(p)))]
+
+
 def build_extension():
     cuda_home = cpp_extension.CUDA_HOME
     force_cpu = os.environ.get("FLASH_EXT_FORCE_CPU_ONLY", "0") == "1"
@@ -130,7 +145,7 @@ def build_extension():
         print("flash_ext: building the CPU backend only "
               f"(torch CUDA: {torch.version.cuda}, CUDA_HOME: {cuda_home}, forced: {force_cpu})")
         return cpp_extension.CppExtension(
-            "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
+            "flash_ext._C", heaviest_first(sources), include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"], py_limited_api=False)
 
     head_dims = selected_head_dims()
@@ -155,7 +170,7 @@ def build_extension():
     nvcc += load_script("cuda_flags").gencode_flags(archs)  # SASS per arch + PTX of the newest (see the script)
     print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims} (backward {bwd_head_dims}), MAX_JOBS {os.environ['MAX_JOBS']}")
     return cpp_extension.CUDAExtension(
-        "flash_ext._C", [str(s.relative_to(ROOT)) for s in sources], include_dirs=include_dirs,
+        "flash_ext._C", heaviest_first(sources), include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros}, extra_link_args=["-fopenmp"],
         py_limited_api=False)
 

@@ -75,9 +75,10 @@ CUTE_HOST_DEVICE void gemm_sr(Acc& acc, FragA& tCrA, FragB const& tCrB, SmemA co
 
 // Whole-tile GEMMs.  A backend whose MMA is a routine over whole tiles rather than an instruction on
 // register fragments (the host: one micro-kernel call per GEMM, traits_host.h) specialises TileGemm for its
-// TiledMma, with rs(acc, A, sB) and ss(acc, sA, sB); the overloads below, more constrained than gemm_ss and
-// gemm_rs, then take the complete acc += A . B^T in one call, reading the operands where they are (B in
-// shared memory: the k-slice register fragments are not used).
+// TiledMma, with rs(acc, A, sB) and ss(acc, sA, sB); the overloads below, more constrained than gemm_ss,
+// gemm_rs and gemm_sr, then take the complete acc += A . B^T in one call, reading the operands where they
+// are (an operand in shared memory is read there: the k-slice register fragments are not used).  A backend
+// with TileGemm has no fragment in registers that gemm_sr's B could be, so gemm_sr is refused for it.
 template <class TiledMma>
 struct TileGemm : std::false_type {};
 
@@ -94,6 +95,12 @@ template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, clas
 void gemm_rs(Acc& acc, FragA const& tCrA, FragB&, SmemB const& tCsB, TiledMma const&, CopyB const&,
              ThrCopyB const&) {
   TileGemm<TiledMma>::rs(acc, tCrA, tCsB);
+}
+
+template <class Acc, class FragA, class FragB, class SmemA, class TiledMma, class CopyA, class ThrCopyA>
+  requires TileGemm<TiledMma>::value
+void gemm_sr(Acc&, FragA&, FragB const&, SmemA const&, TiledMma const&, CopyA const&, ThrCopyA const&) {
+  static_assert(!TileGemm<TiledMma>::value, "whole-tile GEMMs read B where it lives: use gemm_ss (kKVInRegs = false)");
 }
 
 // ((cols, rows), MMA_M, MMA_N) accumulator -> ((rows, MMA_M), (cols, MMA_N)): the (row, column) view that

@@ -372,10 +372,13 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     clear(acc_dq);
     if constexpr (Traits::kDSFromAcc) {
       // The dS accumulator's registers already are the A operand of dS.K (one thread, the atom's K equals
-      // its N, as for P in the forward's P.V).
+      // its N, as for P in the forward's P.V).  K^T comes from registers loaded once (kKVInRegs) or from sKt.
       Tensor tdQrdS_acc = make_tensor(acc_dp.data(), Traits::acc_to_a_layout(acc_dp.layout()));  // (MMA,MMA_M,MMA_N)
-      static_assert(Traits::kKVInRegs, "dS from the accumulator is paired with K^T in registers");
-      cute::gemm(tiled_mma_dq, tdQrdS_acc, tdQrKt, acc_dq);
+      if constexpr (Traits::kKVInRegs) {
+        cute::gemm(tiled_mma_dq, tdQrdS_acc, tdQrKt, acc_dq);
+      } else {
+        gemm_rs(acc_dq, tdQrdS_acc, tdQrKt, tdQsKt, tiled_mma_dq, smem_tiled_copy_Kt, smem_thr_copy_Kt);
+      }
     } else {
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS, smem_tiled_copy_Kt,
               smem_thr_copy_dS, smem_thr_copy_Kt);

@@ -21,9 +21,9 @@
 
 namespace flash_ext {
 
-// Host backward tiles: 64 x 64.  Per (query tile, K/V tile) step the body runs five GEMMs of 64 x 64 x d and
-// copies ~10 operand tiles element by element, a copy per ~30 FMAs; acc_dk + acc_dv (2 x 64 x d fp32) and the
-// tiles (~100-300 KB at d = 64..256) stay in L2.
+// Host backward tiles: 64 x 64.  Per (query tile, K/V tile) step the body runs five whole-tile GEMMs of
+// 64 x 64 x d (micro-kernel calls) and stores P and dS to their tiles; acc_dk + acc_dv (2 x 64 x d fp32) and
+// the tiles (~100-300 KB at d = 64..256) stay in L2.
 inline constexpr int kHostBwdBlockM = 64;
 inline constexpr int kHostBwdBlockN = 64;
 
@@ -44,7 +44,7 @@ static_assert(host_bwd_splits(1, 8, 32) == 4);
 static_assert(host_bwd_splits(1, 1, 3) == 3, "never more splits than K/V tiles");
 
 template <class Traits, class ParallelFor>
-void run_bwd_host_traits(BwdParams const& params, ParallelFor&& parallel_for) {
+void run_bwd_host_traits(BwdParams const& params, HostKernels const& kernels, ParallelFor&& parallel_for) {
   using Element = typename Traits::Element;
   DynamicFlags const flags = bwd_flags_from_params<Traits, DynamicFlags>(params);
   int64_t const rows = int64_t(params.b) * params.h * params.seqlen_q;
@@ -68,6 +68,10 @@ void run_bwd_host_traits(BwdParams const& params, ParallelFor&& parallel_for) {
   int const splits = params.dq_accum_splits;
   int64_t const items = int64_t(splits) * params.b * params.h_k;
   parallel_for(int64_t(0), items, [&](int64_t begin, int64_t end) {
+    HostCtaScope scope(kernels);
+    // Every row of every tile is computed: the tiles' rows are query rows (S, dP, dQ) as well as key rows
+    // (dK, dV), and rows past either sequence end are zero-filled inputs whose results are never stored.
+    scope.set_live_rows(1 << 30);
     alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA
     for (int64_t i = begin; i < end; ++i) {
       int const split = int(i % splits);
@@ -85,23 +89,24 @@ void run_bwd_host_traits(BwdParams const& params, ParallelFor&& parallel_for) {
 }
 
 template <int kHeadDim, class Element, class ParallelFor>
-void run_bwd_host_head_dim(BwdParams const& params, ParallelFor&& parallel_for) {
+void run_bwd_host_head_dim(BwdParams const& params, HostKernels const& kernels, ParallelFor&& parallel_for) {
   if constexpr (host_head_dim_compiled(kHeadDim)) {
-    run_bwd_host_traits<HostBwdTraits<kHeadDim, kHostBwdBlockM, kHostBwdBlockN, Element>>(params, parallel_for);
+    run_bwd_host_traits<HostBwdTraits<kHeadDim, kHostBwdBlockM, kHostBwdBlockN, Element>>(params, kernels, parallel_for);
   }
 }
 
 // Precondition (the op layer's): params.dq_accum_splits == host_bwd_splits(b, h_k, ceil(seqlen_k / kHostBwdBlockN)),
-// with that many slices allocated.
+// with that many slices allocated.  `kernels`: the micro-kernels to use; nullptr: those of the selected level.
 template <class Element, class ParallelFor>
-void run_bwd_host(BwdParams const& params, ParallelFor&& parallel_for) {
+void run_bwd_host(BwdParams const& params, ParallelFor&& parallel_for, HostKernels const* kernels = nullptr) {
+  HostKernels const& k = kernels != nullptr ? *kernels : *host_kernels_for(host_isa_selected());
   switch (host_head_dim_for(params.d)) {
-    case 32: return run_bwd_host_head_dim<32, Element>(params, parallel_for);
-    case 64: return run_bwd_host_head_dim<64, Element>(params, parallel_for);
-    case 96: return run_bwd_host_head_dim<96, Element>(params, parallel_for);
-    case 128: return run_bwd_host_head_dim<128, Element>(params, parallel_for);
-    case 192: return run_bwd_host_head_dim<192, Element>(params, parallel_for);
-    case 256: return run_bwd_host_head_dim<256, Element>(params, parallel_for);
+    case 32: return run_bwd_host_head_dim<32, Element>(params, k, parallel_for);
+    case 64: return run_bwd_host_head_dim<64, Element>(params, k, parallel_for);
+    case 96: return run_bwd_host_head_dim<96, Element>(params, k, parallel_for);
+    case 128: return run_bwd_host_head_dim<128, Element>(params, k, parallel_for);
+    case 192: return run_bwd_host_head_dim<192, Element>(params, k, parallel_for);
+    case 256: return run_bwd_host_head_dim<256, Element>(params, k, parallel_for);
     default: break;  // the op layer rejects head dims without a compiled host kernel before this point
   }
 }

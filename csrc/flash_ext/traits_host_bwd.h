@@ -1,15 +1,16 @@
 // Host traits of the backward pass: the single-thread instance of the backward kernel body (kernel_bwd.h).
-// Everything the forward's HostTraits provide (the host MMA atom, element-wise copies, no-op fences, the
-// polynomial exp2) is inherited; this adds the backward's extra operands and views:
+// Everything the forward's HostTraits provide (the 1x1x1 atom whose fragments are plain column-major
+// matrices, the whole-tile GEMM hook TileGemm that runs the CPU level's micro-kernel, element copies, no-op
+// fences, the polynomial exp2) is inherited; this adds the backward's extra operands and views:
 //
 //   S = Q.K^T, dP = dO.V^T       (BLK_M, BLK_N)     TiledMmaSdP
 //   dV += P^T.dO, dK += dS^T.Q   (BLK_N, HEAD_DIM)  TiledMmadKV   (A: P^T / dS^T, B: dO^T / Q^T)
 //   dQ  = dS.K                   (BLK_M, HEAD_DIM)  TiledMmadQ    (A: dS,         B: K^T)
 //
-// One thread runs all three with the same 8x16x16 atom.  P and dS stay fp32 (ElementPdS), like P in the
-// forward's host instance: the host MMA widens its operands anyway, so 16-bit P/dS would only add rounding.
-// The transposed views are compositions of the row-major tiles: the host copies element by element, so a
-// transposed read costs only its stride.
+// Each is one micro-kernel call over the whole tile (host_isa.h), reading its operands where they lie: the
+// transposed operands are compositions of the shared tiles, i.e. strides the micro-kernel walks, and dS is
+// read from its accumulator.  P and dS stay fp32 (ElementPdS), like P in the forward's host instance: the
+// micro-kernels multiply in fp32 anyway (or round to bf16 themselves), so 16-bit P/dS would only add rounding.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -30,10 +31,10 @@ struct HostBwdTraits : HostTraits<kHeadDim_, kBlockM_, kBlockN_, Element_> {
 
   // One Q buffer: nothing runs asynchronously on the host, so there is nothing to overlap.
   static constexpr bool kDoubleBufferQ = false;
-  // One thread has room for the K, V and K^T operand fragments of the whole walk (they do not change from one
-  // query tile to the next): loaded once instead of copied element by element for every S, dP and dQ.  And
-  // the dS accumulator is already dQ's A operand (the atom's K equals its N), so dQ skips shared memory.
-  static constexpr bool kKVInRegs = true;
+  // No operand fragments: the whole-tile GEMMs read K, V and K^T in shared memory, which is cache-resident
+  // like a register copy would be.  The dS accumulator is already dQ's A operand (the atom's K equals its N),
+  // so dQ skips shared memory for dS.
+  static constexpr bool kKVInRegs = false;
   static constexpr bool kDSFromAcc = true;
 
   using TiledMmaSdP = typename Base::TiledMma;

@@ -130,7 +130,7 @@ bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char con
   std::vector<double> rdq, rdk, rdv;
   pb.reference(rdq, rdk, rdv);
   bool nan = false;
-  double const eq = bwd_test::rel_err(pb.dq, rdq, nan), ek = bwd_test::rel_err(pb.dk, rdk, nan);
+  double const eq = bwd_test::rel_err(pb.dq, rdq, nan, 1e-2 * pb.dq_mag), ek = bwd_test::rel_err(pb.dk, rdk, nan, 1e-2 * pb.dk_mag);
   double const ev = bwd_test::rel_err(pb.dv, rdv, nan);
   double const tol = bwd_test::tolerance<E>(/*p16=*/true);
   Stats const& s = r.stats;
