@@ -21,11 +21,11 @@
 #include <functional>
 #include <source_location>
 
-#include "bwd_problem.h"
-#include "emu/launch_emu_bwd.h"
+#include "emu_bwd_case.h"
 
 using namespace flash_ext;
 using namespace flash_ext::emu;
+using namespace emu_bwd_test;
 using bwd_test::Case;
 using T = cutlass::half_t;
 using Traits = EmuBwd<64, T>::Traits;
@@ -76,22 +76,9 @@ std::string run_no_pds_barrier(BwdParams const& p, EmuLaunch& launch, KernelDesc
   return run_bwd_variant_emu<FaultTraits, false, 1>(p, launch, &desc);
 }
 
-using RunFn = std::string (*)(BwdParams const&, EmuLaunch&, KernelDesc const*);
-
 template <bool kCausal, int kVariant, class Tr = Traits>
 std::string run(BwdParams const& p, EmuLaunch& launch, KernelDesc const* desc) {
-  return run_bwd_variant_emu<Tr, kCausal, kVariant>(p, launch, desc);
-}
-
-template <class E>
-void set_up(EmuLaunch& launch, bwd_test::Problem<E> const& pb, bool accum_writable) {
-  auto add = [&](auto const& vec, bool w, char const* name) {
-    launch.globals.push_back({uintptr_t(vec.data()), uintptr_t(vec.data() + vec.size()), w, name});
-  };
-  add(pb.q, false, "q"), add(pb.k, false, "k"), add(pb.v, false, "v"), add(pb.o, false, "out");
-  add(pb.dout, false, "dout"), add(pb.lse, false, "softmax_lse"), add(pb.d_sum, false, "softmax_d");
-  add(pb.dq_accum, accum_writable, "dq_accum"), add(pb.dk, true, "dk"), add(pb.dv, true, "dv");
-  launch.parallel_for = [](int64_t b0, int64_t e0, std::function<void(int64_t, int64_t)> const& f) { f(b0, e0); };
+  return run_variant<Tr, kCausal, kVariant>(p, launch, desc);
 }
 
 // Runs one case; returns whether it behaved as expected (clean and accurate, or the fault reported).
@@ -127,28 +114,13 @@ bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char con
     if (caught && !r.messages.empty()) { std::printf("     first: %s\n", r.messages.front().second.c_str()); }
     return caught;
   }
-  std::vector<double> rdq, rdk, rdv;
-  pb.reference(rdq, rdk, rdv);
-  bool nan = false;
-  double const eq = bwd_test::rel_err(pb.dq, rdq, nan, 1e-2 * pb.dq_mag), ek = bwd_test::rel_err(pb.dk, rdk, nan, 1e-2 * pb.dk_mag);
-  double const ev = bwd_test::rel_err(pb.dv, rdv, nan);
-  double const tol = bwd_test::tolerance<E>(/*p16=*/true);
-  Stats const& s = r.stats;
-  bool const ran = s.ctas > 0 && s.ldmatrix > 0 && s.mma > 0 && s.cp_async > 0 && s.red_global > 0;
-  bool const accurate = !nan && eq <= tol && ek <= tol && ev <= tol;
   if (fault == Fault::kWrongLse) {
-    std::printf("%s %s: rel err dq %.1e dk %.1e dv %.1e (tol %.0e)%s\n", !accurate ? "ok  " : "FAIL", label, eq, ek, ev,
-                tol, accurate ? ": the wrong gradients passed the check" : "");
-    return !accurate;
+    Accuracy const a = accuracy(pb);
+    std::printf("%s %s: rel err dq %.1e dk %.1e dv %.1e (tol %.0e)%s\n", !a.ok() ? "ok  " : "FAIL", label, a.eq, a.ek,
+                a.ev, a.tol, a.ok() ? ": the wrong gradients passed the check" : "");
+    return !a.ok();
   }
-  bool const ok = r.total() == 0 && ran && accurate;
-  std::printf("%s %s [%s]: rel err dq %.1e dk %.1e dv %.1e (tol %.0e)%s; %llu CTAs, %llu mma, %llu ldmatrix, "
-              "%llu red.global.add, %llu findings\n",
-              ok ? "ok  " : "FAIL", label, r.kernels.empty() ? "?" : r.kernels.front().c_str(), eq, ek, ev, tol,
-              nan ? " NaN" : "", (unsigned long long)s.ctas, (unsigned long long)s.mma,
-              (unsigned long long)s.ldmatrix, (unsigned long long)s.red_global, (unsigned long long)r.total());
-  if (r.total() != 0 || !ran) { std::printf("%s\n", r.text().c_str()); }
-  return ok;
+  return check_clean(pb, launch, label);
 }
 
 }  // namespace
