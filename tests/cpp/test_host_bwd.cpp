@@ -10,13 +10,11 @@
 #include <cstring>
 
 #include "bwd_problem.h"
+#include "host_levels.h"
 
 using namespace flash_ext;
 using bwd_test::Case;
 
-namespace flash_ext {
-HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
-}
 
 // Runs chunks of `chunk` work items, last chunk first.
 struct ReversedChunks {
@@ -72,18 +70,7 @@ int main() {
       {2, 77, 131, 4, 2, 40, true, -1, -1, 0.f, false, 0.3f},   // dropout: the forward's mask, GQA
       {1, 100, 300, 2, 1, 96, false, 17, 5, 5.f, true, 0.7f},  // dropout with window, softcap, ALiBi
   };
-  std::vector<HostKernels const*> levels;
-  for (int i = 0; i < kNumHostIsas; ++i) {
-    char const* why = host_isa_unavailable_reason(HostIsa(i));
-    if (*why == '\0') {
-      levels.push_back(host_kernels_for(HostIsa(i)));
-    } else {
-      std::printf("skip %s: %s\n", host_isa_name(HostIsa(i)), why);
-    }
-  }
-#if defined(__x86_64__)
-  if (host_isa_supported(HostIsa::kAvx2)) { levels.push_back(host_kernels_avx512_emulated()); }
-#endif
+  std::vector<HostKernels const*> const levels = host_levels_to_test();
   int failures = 0;
   for (HostKernels const* k : levels) {
     for (auto const& c : cases) failures += !run_case<cutlass::bfloat16_t>(c, "bf16", *k);

@@ -10,12 +10,10 @@
 #include <vector>
 
 #include "flash_ext/launch_host.h"
+#include "host_levels.h"
 
 using namespace flash_ext;
 
-namespace flash_ext {
-HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
-}
 
 struct Case {
   int b, sq, sk, h, hk, d;
@@ -154,18 +152,7 @@ int main() {
       {1, 200, 333, 3, 3, 96, false, 17, 5, 30.f, true, 1, 0.5},     // dropout with window, softcap, ALiBi
       {1, 5, 1000, 4, 1, 128, false, -1, -1, 0.f, false, 5, 0.25},   // dropout with split-KV (short host tile)
   };
-  std::vector<HostKernels const*> levels;
-  for (int i = 0; i < kNumHostIsas; ++i) {
-    char const* why = host_isa_unavailable_reason(HostIsa(i));
-    if (*why == '\0') {
-      levels.push_back(host_kernels_for(HostIsa(i)));
-    } else {
-      std::printf("skip %s: %s\n", host_isa_name(HostIsa(i)), why);
-    }
-  }
-#if defined(__x86_64__)
-  if (host_isa_supported(HostIsa::kAvx2)) { levels.push_back(host_kernels_avx512_emulated()); }
-#endif
+  std::vector<HostKernels const*> const levels = host_levels_to_test();
   int failures = 0;
   for (HostKernels const* k : levels) {
     for (auto const& c : cases) failures += !run_case<cutlass::bfloat16_t>(c, "bf16", *k);
