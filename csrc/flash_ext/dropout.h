@@ -94,21 +94,23 @@ CUTE_HOST_DEVICE bool dropout_keep(DropoutRng const& rng, int i, int j) {
 // The mask of one tile in the kernel, in two steps: dropout_keep_bits packs the outcome into one bit per
 // element and apply_dropout_bits zeroes the dropped probabilities after the softmax.  The kernels call the
 // first after their GEMMs, not beside them: overlapping its integer work with the tensor cores kept the
-// Philox state live next to the GEMM fragments, and the sm_90 dropout kernels spilled (kernel_fwd.h).  The 1 / (1 - p) scale is applied once, to O, in the
-// softmax's finalize.
+// Philox state live next to the GEMM fragments, and the sm_90 dropout kernels spilled (kernel_fwd.h).  The
+// 1 / (1 - p) scale is applied once, to O, in the softmax's finalize.
 //
-// Traits::dropout_groups views a thread's accumulator fragment (MMA, MMA_M, MMA_N) as (SLOT, GROUP) with the
-// slots in the contract's order; slot 0's coordinate anchors the group (tests/cpp/test_dropout.cpp checks the
-// view against the contract for every thread of every tile config).  Traits::DropoutWord says how many groups one Philox
-// evaluation serves (one on the GPU; several vector lanes on the host).
+// GPU traits: Traits::dropout_groups views a thread's accumulator fragment (MMA, MMA_M, MMA_N) as (SLOT,
+// GROUP) with the slots in the contract's order; slot 0's coordinate anchors the group, one Philox call per
+// group, and bit 8 g + s is slot s of group g (tests/cpp/test_dropout.cpp checks the view against the contract
+// for every thread of every tile config).
+// Host traits: the whole tile is one thread's fragment, and both steps are the CPU level's micro-kernels
+// (Traits::dropout_keep_tile / dropout_apply_tile, host_isa.h), which evaluate the contract a vector of group
+// rows per Philox call and keep the bits in the accumulator's element order.  The test checks both the same
+// way: bits applied to a fragment of ones, element by element against the contract.
 // AccLayout: the (static) layout of the accumulator fragment the bits are for.
 template <class Traits, class AccLayout>
 struct DropoutBits {
-  static constexpr int kGroups = decltype(cute::size<1>(Traits::dropout_groups(AccLayout{})))::value;
-  static constexpr int kWords = (kGroups * 8 + 31) / 32;
-  uint32_t word[kWords];  // bit 8 * g + s: keep slot s of group g
-
-  CUTE_HOST_DEVICE bool keep(int g, int s) const { return (word[(8 * g + s) / 32] >> ((8 * g + s) % 32)) & 1u; }
+  static constexpr int kElems = decltype(cute::size(AccLayout{}))::value;
+  static constexpr int kWords = (kElems + 31) / 32;
+  uint32_t word[kWords];  // one bit per element of the fragment, in the traits' order (above)
 };
 
 // coord: the thread's partition of an identity tensor over the tile, shaped like the accumulator fragment;
@@ -123,43 +125,35 @@ CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& c
                                                                  int col0) {
   using namespace cute;
   static_assert(Traits::kBlockM % 16 == 0 && Traits::kBlockN % 16 == 0, "tiles hold whole 16 x 16 blocks");
-  using Word = typename Traits::DropoutWord;
-  using Lanes = PhiloxLanes<Word>;
   using Bits = DropoutBits<Traits, AccLayout>;
-  Tensor gC = make_tensor(coord.data(), Traits::dropout_groups(coord.layout()));  // (SLOT,GROUP) -> (m,n)
-  static_assert(decltype(size<0>(gC))::value == 8);
-  static_assert(decltype(size<1>(gC))::value == Bits::kGroups && Bits::kGroups % Lanes::kLanes == 0);
   Bits bits;
-  CUTE_UNROLL
-  for (int w = 0; w < Bits::kWords; ++w) { bits.word[w] = 0; }
-  Word const bh = Lanes::broadcast(rng.bh), offset_lo = Lanes::broadcast(rng.offset_lo);
-  Word const key0 = Lanes::broadcast(rng.key0), key1 = Lanes::broadcast(rng.key1);
-  auto groups = [&](int g0) {
-    Word gcol = bh, grow = bh;  // every lane is set below
+  if constexpr (requires { Traits::template dropout_keep_tile<AccLayout>(bits.word, rng, row0, col0); }) {
+    Traits::template dropout_keep_tile<AccLayout>(bits.word, rng, row0, col0);
+  } else {
+    Tensor gC = make_tensor(coord.data(), Traits::dropout_groups(coord.layout()));  // (SLOT,GROUP) -> (m,n)
+    constexpr int kGroups = decltype(size<1>(gC))::value;
+    static_assert(decltype(size<0>(gC))::value == 8 && kGroups * 8 == Bits::kElems);
     CUTE_UNROLL
-    for (int l = 0; l < Lanes::kLanes; ++l) {
-      Lanes::set(grow, l, dropout_group_row(row0 + int(get<0>(gC(0, g0 + l)))));
-      Lanes::set(gcol, l, dropout_group_col(col0 + int(get<1>(gC(0, g0 + l)))));
-    }
-    Philox4<Word> const r = philox4x32_10<Word>(gcol, grow, bh, offset_lo, key0, key1);
-    CUTE_UNROLL
-    for (int l = 0; l < Lanes::kLanes; ++l) {
-      int const g = g0 + l;
-      uint32_t const x0 = Lanes::get(r.x[0], l), x1 = Lanes::get(r.x[1], l);
-      uint32_t const x2 = Lanes::get(r.x[2], l), x3 = Lanes::get(r.x[3], l);
+    for (int w = 0; w < Bits::kWords; ++w) { bits.word[w] = 0; }
+    auto group = [&](int g) {
+      uint32_t const grow = dropout_group_row(row0 + int(get<0>(gC(0, g))));
+      uint32_t const gcol = dropout_group_col(col0 + int(get<1>(gC(0, g))));
+      Philox4<uint32_t> const r = philox4x32_10<uint32_t>(gcol, grow, rng.bh, rng.offset_lo, rng.key0, rng.key1);
       uint32_t byte = 0;
       CUTE_UNROLL
-      for (int s = 0; s < 8; ++s) { byte |= uint32_t(dropout_slot_bits(x0, x1, x2, x3, s) < rng.threshold) << s; }
+      for (int s = 0; s < 8; ++s) {
+        byte |= uint32_t(dropout_slot_bits(r.x[0], r.x[1], r.x[2], r.x[3], s) < rng.threshold) << s;
+      }
       bits.word[kOneGroupAtATime ? 0 : g / 4] |= byte << (8 * (g % 4));
-    }
-  };
-  if constexpr (kOneGroupAtATime) {
-    static_assert(Bits::kWords == 1, "a rolled loop indexes the words at run time: one word stays in a register");
+    };
+    if constexpr (kOneGroupAtATime) {
+      static_assert(Bits::kWords == 1, "a rolled loop indexes the words at run time: one word stays in a register");
 #pragma unroll 1
-    for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) { groups(g0); }
-  } else {
-    CUTE_UNROLL
-    for (int g0 = 0; g0 < Bits::kGroups; g0 += Lanes::kLanes) { groups(g0); }
+      for (int g = 0; g < kGroups; ++g) { group(g); }
+    } else {
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) { group(g); }
+    }
   }
   return bits;
 }
@@ -168,12 +162,17 @@ CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& c
 template <class Traits, class Acc, class Bits>
 CUTE_HOST_DEVICE void apply_dropout_bits(Acc& acc, Bits const& bits) {
   using namespace cute;
-  Tensor gP = make_tensor(acc.data(), Traits::dropout_groups(acc.layout()));  // (SLOT,GROUP)
-  CUTE_UNROLL
-  for (int g = 0; g < size<1>(gP); ++g) {
+  if constexpr (requires { Traits::dropout_apply_tile(acc, bits.word); }) {
+    Traits::dropout_apply_tile(acc, bits.word);
+  } else {
+    Tensor gP = make_tensor(acc.data(), Traits::dropout_groups(acc.layout()));  // (SLOT,GROUP)
     CUTE_UNROLL
-    for (int s = 0; s < 8; ++s) {
-      gP(s, g) = bits.keep(g, s) ? gP(s, g) : 0.f;  // a select: the outcome is random, a branch would mispredict
+    for (int g = 0; g < size<1>(gP); ++g) {
+      CUTE_UNROLL
+      for (int s = 0; s < 8; ++s) {
+        bool const keep = (bits.word[(8 * g + s) / 32] >> ((8 * g + s) % 32)) & 1u;
+        gP(s, g) = keep ? gP(s, g) : 0.f;  // a select: the outcome is random, a branch would mispredict
+      }
     }
   }
 }

@@ -68,6 +68,19 @@ struct HostSoftmaxArgs {
   bool first;
 };
 
+// Dropout's keep bits of one tile (the mask contract of dropout.h, evaluated kLanes group rows per Philox
+// call).  The tile is rows x cols elements starting at query row row0 and key column col0 of the sequence
+// (all four multiples of 16); bit (m + rows * n) of words (bit b: (words[b / 32] >> (b % 32)) & 1) is
+// the keep decision of element (row0 + m, col0 + n), i.e. the bits follow the column-major accumulator.
+// Only rows below live_rows rounded up to 16 are evaluated; the bits of the others are 0.  key0, key1,
+// bh, offset_lo and threshold are DropoutRng's fields.
+struct HostDropoutArgs {
+  uint32_t* words;
+  int rows, cols, live_rows;
+  int row0, col0;
+  uint32_t key0, key1, bh, offset_lo, threshold;
+};
+
 struct HostKernels {
   HostIsa isa;
   char const* name;  // "generic", "avx2", "avx512", "avx512_bf16"
@@ -76,6 +89,10 @@ struct HostKernels {
   void (*softmax_rescale)(HostSoftmaxArgs const&);
   // dst[i] = src[i] rounded to nearest even (NaN stays NaN), i < n; dst has type `to` (kF32: a copy).
   void (*convert)(float const* src, void* dst, HostDType to, int64_t n);
+  void (*dropout_keep)(HostDropoutArgs const&);
+  // P(m, n) = p[m + n * ldp] becomes 0 where the bit (m + rows * n) of words (dropout_keep's order) is 0,
+  // for m < live_rows rounded up to a whole vector, n < cols; rows is a multiple of 16.
+  void (*dropout_apply)(float* p, int64_t ldp, int rows, int cols, int live_rows, uint32_t const* words);
 };
 
 // --- Selection (csrc/host/host_isa.cpp) ---

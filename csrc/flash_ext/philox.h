@@ -11,8 +11,8 @@
 // Ten rounds; the key is bumped by (W0, W1) (mod 2^32) before every round but the first.
 //
 // The round is written once, over a word type `Word`: uint32_t (the GPU, the emulator, the scalar reference)
-// or a vector of lanes that holds several independent counters (the host traits, so the CPU evaluates several
-// groups per instruction).  A Word needs `^`, `+ uint32_t` (the low 32 bits of each lane must behave as
+// or a vector of lanes that holds several independent counters (the CPU micro-kernels, csrc/host/isa/kernels.h,
+// which evaluate a vector of groups per instruction).  A Word needs `^`, `+ uint32_t` (the low 32 bits of each lane must behave as
 // uint32_t arithmetic; higher bits, if a lane has them, are don't-care) and an overload of
 // philox_mul_hi_lo(uint32_t m, Word x, Word& hi) -> lo giving the two halves of the 64-bit product m * x.
 #pragma once
@@ -61,18 +61,5 @@ CUTE_HOST_DEVICE constexpr Philox4<Word> philox4x32_10(Word c0, Word c1, Word c2
   }
   return {{c0, c1, c2, c3}};
 }
-
-// How many independent counters one Word carries, and access to them.  uint32_t carries one; the host traits
-// define a vector Word with more lanes (traits_host.h).
-template <class Word>
-struct PhiloxLanes;
-
-template <>
-struct PhiloxLanes<uint32_t> {
-  static constexpr int kLanes = 1;
-  CUTE_HOST_DEVICE static constexpr uint32_t broadcast(uint32_t x) { return x; }
-  CUTE_HOST_DEVICE static constexpr void set(uint32_t& w, int, uint32_t x) { w = x; }
-  CUTE_HOST_DEVICE static constexpr uint32_t get(uint32_t w, int) { return w; }
-};
 
 }  // namespace flash_ext

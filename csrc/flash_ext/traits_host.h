@@ -20,11 +20,6 @@
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/array.h>
 #include <cutlass/numeric_types.h>
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
-#include "philox.h"
 
 #include "gemm.h"
 #include "host_isa.h"
@@ -126,41 +121,6 @@ inline void mma_unpack(MMA_Traits<flash_ext::HostFma<T>> const&, Tensor<TD, DLay
 }  // namespace cute
 
 namespace flash_ext {
-
-// Philox words for dropout on the host (philox.h, dropout.h): four groups per evaluation, each counter word
-// in the low half of a 64-bit lane (upper halves are don't-care), so that every 32x32->64 product of a round
-// is one even-lane multiply (pmuludq) with no lane shuffles.  (A compiler that sees a 64-bit vector multiply
-// emits three multiplies; on uint32 lanes it shuffles to widen: both measured ~2x slower than scalar code.)
-struct HostPhiloxWord {
-  typedef uint64_t v4u64 __attribute__((vector_size(32)));
-  v4u64 v;
-};
-inline HostPhiloxWord operator^(HostPhiloxWord a, HostPhiloxWord b) { return {a.v ^ b.v}; }
-inline HostPhiloxWord operator+(HostPhiloxWord a, uint32_t b) { return {a.v + uint64_t(b)}; }
-inline HostPhiloxWord philox_mul_hi_lo(uint32_t m, HostPhiloxWord x, HostPhiloxWord& hi) {
-  HostPhiloxWord p;
-#if defined(__AVX2__)
-  p.v = (HostPhiloxWord::v4u64)_mm256_mul_epu32((__m256i)x.v, _mm256_set1_epi64x(m));
-#elif defined(__SSE2__)
-  typedef uint64_t v2u64 __attribute__((vector_size(16)));
-  __m128i const mm = _mm_set1_epi64x(m);
-  v2u64 const lo = (v2u64)_mm_mul_epu32((__m128i)v2u64{x.v[0], x.v[1]}, mm);
-  v2u64 const hi2 = (v2u64)_mm_mul_epu32((__m128i)v2u64{x.v[2], x.v[3]}, mm);
-  p.v = HostPhiloxWord::v4u64{lo[0], lo[1], hi2[0], hi2[1]};
-#else
-  p.v = (x.v & 0xffffffffu) * uint64_t(m);
-#endif
-  hi.v = p.v >> 32;
-  return p;
-}
-
-template <>
-struct PhiloxLanes<HostPhiloxWord> {
-  static constexpr int kLanes = 4;
-  static HostPhiloxWord broadcast(uint32_t x) { return {HostPhiloxWord::v4u64{x, x, x, x}}; }
-  static void set(HostPhiloxWord& w, int lane, uint32_t x) { w.v[lane] = x; }
-  static uint32_t get(HostPhiloxWord w, int lane) { return uint32_t(w.v[lane]); }
-};
 
 // Shared memory -> fp32 register fragment, one element: the widening load of Q into its A fragment.
 template <class T>
@@ -355,21 +315,25 @@ struct HostTraits {
   template <class Layout>
   static constexpr auto acc_to_a_layout(Layout acc) { return acc; }
 
-  // Dropout groups (dropout.h) of the (1, M, N) column-major accumulator, whose (compact) domain index is
-  // m + M n: slot s lies at (+8 rows if bit 1, +1 column if bit 0, +8 columns if bit 2) of its group's
-  // anchor (R, c); the anchors are rows R = 16 a + r (r < 8) and columns c = 16 b + 2 q (q < 4).  As
-  // (SLOT = (col bit, row half, col half), GROUP = (q, r, a, b)).  tests/cpp/test_dropout.cpp checks the
-  // view against the contract.
-  using DropoutWord = HostPhiloxWord;
-  template <class AccLayout>
-  static constexpr auto dropout_groups(AccLayout acc) {
+  // Dropout (dropout.h): the keep bits of a tile and their application, by the level's micro-kernels, with
+  // the bits in the (1, M, N) accumulator's column-major element order.  Rows past the live ones are skipped
+  // (their bits are 0 and their P is never stored).
+  template <class AccLayout, class Rng>
+  static void dropout_keep_tile(uint32_t* words, Rng const& rng, int row0, int col0) {
     using namespace cute;
-    constexpr int kM = decltype(size<1>(acc))::value;
-    constexpr int kN = decltype(size<2>(acc))::value;
-    static_assert(decltype(size<0>(acc))::value == 1 && kM % 16 == 0 && kN % 16 == 0);
-    auto const g = cute::Layout<Shape<Shape<_2, _2, _2>, Shape<_4, _8, Int<kM / 16>, Int<kN / 16>>>,
-                                Stride<Stride<Int<kM>, _8, Int<8 * kM>>, Stride<Int<2 * kM>, _1, _16, Int<16 * kM>>>>{};
-    return composition(acc, g);
+    static_assert(decltype(size<0>(AccLayout{}))::value == 1);
+    HostDropoutArgs const a{words, int(size<1>(AccLayout{})), int(size<2>(AccLayout{})), host_cta_context().live_rows,
+                            row0, col0, rng.key0, rng.key1, rng.bh, rng.offset_lo, rng.threshold};
+    host_kernels().dropout_keep(a);
+  }
+  template <class Acc>
+  static void dropout_apply_tile(Acc& acc, uint32_t const* words) {
+    using namespace cute;
+    using L = typename Acc::layout_type;
+    static_assert(decltype(size<0>(L{}))::value == 1 && host_mode_stride(layout<1>(L{})) == 1,
+                  "column-major tiles: rows contiguous");
+    host_kernels().dropout_apply(&acc(0), host_mode_stride(layout<2>(L{})), int(size<1>(L{})), int(size<2>(L{})),
+                                 host_cta_context().live_rows, words);
   }
 
   static void cp_async_fence() {}

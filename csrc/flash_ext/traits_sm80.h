@@ -106,7 +106,6 @@ struct Sm80Traits : Arch_ {
   // of each atom (value index: column bit + 2 x row half), and the atom pair (n, n + 1), n even, adds columns
   // {c + 8, c + 9}: exactly one group of the contract, in slot order.  ((2, 2), MMA_M, MMA_N) ->
   // ((2, 2, 2), (MMA_M, MMA_N / 2)): one Philox call per group, none wasted.
-  using DropoutWord = uint32_t;
   template <class Layout>
   CUTE_HOST_DEVICE static constexpr auto dropout_groups(Layout acc) {
     auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)

@@ -148,7 +148,6 @@ struct Sm80BwdTraits : Arch_ {
   // Dropout groups (dropout.h) of the S accumulator, as in Sm80Traits: rows {R, R + 8} x columns {c, c + 1} of
   // an atom plus columns {c + 8, c + 9} of its neighbour are one group of the contract, in slot order.
   // tests/cpp/test_dropout.cpp checks this view for every thread of every backward tile config.
-  using DropoutWord = uint32_t;
   template <class Layout>
   CUTE_HOST_DEVICE static constexpr auto dropout_groups(Layout acc) {
     auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)

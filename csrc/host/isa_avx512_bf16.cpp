@@ -26,6 +26,8 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 inline __attribute__((always_inline)) vf vsplat(float x) { return _mm512_set1_ps(x); }
 inline __attribute__((always_inline)) bool all_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) == 0xffff; }
 inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) { return (vu)_mm512_mul_epu32((__m512i)a, (__m512i)b); }
+inline __attribute__((always_inline)) uint32_t vmovemask(vi m) { return uint32_t(_mm512_movepi32_mask((__m512i)m)); }
 inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
   // The maskz forms: GCC 12's unmasked ones warn (-Wmaybe-uninitialized) inside their own headers.
   __m512i const x = _mm512_maskz_cvtepu16_epi32(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));

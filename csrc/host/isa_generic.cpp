@@ -2,6 +2,9 @@
 // vector extensions lower to): 4 fp32 lanes.  The fallback of every CPU, and the only level off x86-64.
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "flash_ext/host_isa.h"
 
@@ -83,6 +86,24 @@ inline void store_f16(uint16_t* p, vf x) {
   alignas(16) float in[kLanes];
   std::memcpy(in, &x, sizeof(x));
   for (int i = 0; i < kLanes; ++i) { p[i] = f32_to_f16(in[i]); }
+}
+
+// Philox's widening multiply and the keep bits' lane mask: SSE2's pmuludq and movmskps where the baseline
+// has them (every x86-64), else lane by lane.
+inline vu vmul_even_u32(vu a, vu b) {
+#if defined(__SSE2__)
+  return (vu)_mm_mul_epu32((__m128i)a, (__m128i)b);
+#else
+  typedef uint64_t v64 __attribute__((vector_size(16)));
+  return (vu)(((v64)a & 0xffffffffu) * ((v64)b & 0xffffffffu));
+#endif
+}
+inline uint32_t vmovemask(vi m) {
+#if defined(__SSE2__)
+  return uint32_t(_mm_movemask_ps((__m128)m));
+#else
+  return uint32_t(m[0] & 1) | uint32_t(m[1] & 1) << 1 | uint32_t(m[2] & 1) << 2 | uint32_t(m[3] & 1) << 3;
+#endif
 }
 
 }  // namespace

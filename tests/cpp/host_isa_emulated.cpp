@@ -70,6 +70,20 @@ inline void store_f16(uint16_t* p, vf x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(h.lo, _MM_FROUND_TO_NEAREST_INT));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(h.hi, _MM_FROUND_TO_NEAREST_INT));
 }
+inline vu vmul_even_u32(vu a, vu b) {
+  __m256i x[2], y[2], z[2];
+  std::memcpy(x, &a, sizeof(a));
+  std::memcpy(y, &b, sizeof(b));
+  z[0] = _mm256_mul_epu32(x[0], y[0]);
+  z[1] = _mm256_mul_epu32(x[1], y[1]);
+  vu r;
+  std::memcpy(&r, z, sizeof(r));
+  return r;
+}
+inline uint32_t vmovemask(vi m) {
+  Halves const h = split((vf)m);
+  return uint32_t(_mm256_movemask_ps(h.lo)) | uint32_t(_mm256_movemask_ps(h.hi)) << 8;
+}
 inline vf vdot_bf16(vf acc, vu a, vu b) {
   vf const a_even = (vf)(a << 16), a_odd = (vf)(a & 0xffff0000u);
   vf const b_even = (vf)(b << 16), b_odd = (vf)(b & 0xffff0000u);

@@ -1,12 +1,12 @@
 // Dropout's random numbers and mask, without torch or a GPU:
-//  1. Philox4x32-10 against the Random123 known-answer vectors (tests/kat_vectors of Random123), for the
-//     scalar word and for the host's vector word (every lane).
+//  1. Philox4x32-10 against the Random123 known-answer vectors (tests/kat_vectors of Random123).
 //  2. The contract of dropout.h written out a second time here, from its text (group of (i, j), counter, key,
 //     slot, 16-bit threshold), agrees with dropout_keep on random coordinates, seeds and offsets.
-//  3. The kernels' grouped evaluation (dropout_keep_bits over Traits::dropout_groups) equals dropout_keep
-//     element by element for every thread of every GPU tile config (Sm80 traits, run on the host: the same
-//     partitions the GPU and the warp emulator use) and for both host tile heights, at tile origins that are
-//     not at the sequence start.
+//  3. The kernels' tile masks (dropout_keep_bits, then apply_dropout_bits on a fragment of ones) equal the
+//     contract element by element for every thread of every GPU tile config (Sm80 traits, run on the host:
+//     the same partitions the GPU and the warp emulator use; their (slot, group) view follows the contract's
+//     slot order) and for the host tiles with every CPU level's micro-kernels (vectors of group rows per
+//     Philox call), including partly live tiles, at tile origins that are not at the sequence start.
 //  4. The keep fraction is within a binomial tolerance of 1 - p, and the 16-bit threshold rounds as documented.
 #include <cmath>
 #include <cstdio>
@@ -16,9 +16,11 @@
 #include "flash_ext/dispatch_bwd.h"
 #include "flash_ext/dropout.h"
 #include "flash_ext/traits_host.h"
+#include "flash_ext/launch_host.h"
 #include "flash_ext/launch_host_bwd.h"
 #include "flash_ext/traits_sm80.h"
 #include "flash_ext/traits_sm80_bwd.h"
+#include "host_levels.h"
 
 using namespace cute;
 using flash_ext::DropoutRng;
@@ -55,23 +57,6 @@ void check_known_answers() {
     for (int w = 0; w < 4; ++w) {
       CHECK(r.x[w] == k.out[w], "philox4x32_10(%08x ...) word %d = %08x, Random123 says %08x", k.ctr[0], w, r.x[w],
             k.out[w]);
-    }
-  }
-  // The host's vector word: lane l evaluates vector l of the table (lane 3 repeats vector 0), with garbage in
-  // the upper halves of the 64-bit lanes, which must not matter.
-  using Word = flash_ext::HostPhiloxWord;
-  using Lanes = flash_ext::PhiloxLanes<Word>;
-  Word c[4], key[2];
-  for (int l = 0; l < Lanes::kLanes; ++l) {
-    Kat const& k = kKat[l % 3];
-    for (int w = 0; w < 4; ++w) { c[w].v[l] = k.ctr[w] | (uint64_t(0xdeadbeefu + 17u * l + w) << 32); }
-    for (int w = 0; w < 2; ++w) { key[w].v[l] = k.key[w] | (uint64_t(0x12345678u * (l + 1)) << 32); }
-  }
-  auto const r = flash_ext::philox4x32_10<Word>(c[0], c[1], c[2], c[3], key[0], key[1]);
-  for (int l = 0; l < Lanes::kLanes; ++l) {
-    for (int w = 0; w < 4; ++w) {
-      CHECK(Lanes::get(r.x[w], l) == kKat[l % 3].out[w], "host Philox word, lane %d word %d = %08x, expected %08x", l,
-            w, Lanes::get(r.x[w], l), kKat[l % 3].out[w]);
     }
   }
 }
@@ -113,10 +98,11 @@ void check_contract() {
         "threshold = floor((1 - p) 65536 + 0.5)");
 }
 
-// 3. Grouped evaluation == per-element contract, for every thread of a traits' tile.  TiledMma: the MMA of
-// the S = Q.K^T tile (the backward traits name it TiledMmaSdP).
+// 3. The tile mask == the per-element contract.  TiledMma: the MMA of the S = Q.K^T tile (the backward traits
+// name it TiledMmaSdP).  live_rows: the rows the host micro-kernels evaluate (the launcher's live rows); the
+// rest must come out dropped (bits 0) or untouched past the vector that holds the last live row.
 template <class Traits, class TiledMma = typename Traits::TiledMma>
-void check_tile_mask(char const* name) {
+void check_tile_mask(char const* name, int live_rows = 1 << 30) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   TiledMma tiled_mma;
   using AccLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
@@ -131,28 +117,52 @@ void check_tile_mask(char const* name) {
     int const row0 = kBlockM * int(rng() % 40), col0 = kBlockN * int(rng() % 40);
     for (int t = 0; t < Traits::kNThreads; ++t) {
       auto tScS = tiled_mma.get_thread_slice(t).partition_C(cS);
-      auto const bits = flash_ext::dropout_keep_bits<Traits, AccLayout>(tScS, r, row0, col0);
-      // The same view as the kernel's apply_dropout_bits: (slot, group) of the fragment.
-      auto gC = make_tensor(tScS.data(), Traits::dropout_groups(tScS.layout()));
-      for (int g = 0; g < size<1>(gC); ++g) {
-        int const R = row0 + int(get<0>(gC(0, g))), c = col0 + int(get<1>(gC(0, g)));
-        for (int s = 0; s < 8; ++s) {
-          int const i = row0 + int(get<0>(gC(s, g))), j = col0 + int(get<1>(gC(s, g)));
-          // The view follows the contract's slot order...
-          if (i != R + flash_ext::dropout_slot_row(s) || j != c + flash_ext::dropout_slot_col(s) ||
-              flash_ext::dropout_slot(i, j) != s) {
-            ++bad;
+      if constexpr (requires { Traits::dropout_groups(tScS.layout()); }) {
+        // The GPU's (slot, group) view follows the contract's slot order.
+        auto gC = make_tensor(tScS.data(), Traits::dropout_groups(tScS.layout()));
+        for (int g = 0; g < size<1>(gC); ++g) {
+          int const R = row0 + int(get<0>(gC(0, g))), c = col0 + int(get<1>(gC(0, g)));
+          for (int s = 0; s < 8; ++s) {
+            int const i = row0 + int(get<0>(gC(s, g))), j = col0 + int(get<1>(gC(s, g)));
+            if (i != R + flash_ext::dropout_slot_row(s) || j != c + flash_ext::dropout_slot_col(s) ||
+                flash_ext::dropout_slot(i, j) != s) {
+              ++bad;
+            }
           }
-          // ...and the packed bit is the element's keep decision.
-          if (bits.keep(g, s) != contract_keep(seed, offset, p, b, h, num_heads, i, j)) { ++bad; }
-          ++checked;
         }
+      }
+      // The kernel's two steps on a fragment of ones: what survives is the keep decision.
+      auto frag = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      fill(frag, 1.f);
+      auto const bits = flash_ext::dropout_keep_bits<Traits, AccLayout>(tScS, r, row0, col0);
+      flash_ext::apply_dropout_bits<Traits>(frag, bits);
+      for (int e = 0; e < size(frag); ++e) {
+        int const m = int(get<0>(tScS(e))), n = int(get<1>(tScS(e)));
+        if (m >= live_rows) { continue; }  // never stored: whatever the kernel leaves there
+        bool const want = contract_keep(seed, offset, p, b, h, num_heads, row0 + m, col0 + n);
+        if (frag(e) != (want ? 1.f : 0.f)) { ++bad; }
+        ++checked;
       }
     }
   }
-  CHECK(checked == 3 * kBlockM * kBlockN, "%s: %d elements checked, tile has %d", name, checked, kBlockM * kBlockN);
-  CHECK(bad == 0, "%s: %d grouped keep bits disagree with the contract", name, bad);
-  std::printf("%s %-40s %d elements\n", bad == 0 ? "ok" : "FAILED", name, checked);
+  int const live = live_rows < kBlockM ? live_rows : kBlockM;
+  CHECK(checked == 3 * live * kBlockN, "%s: %d elements checked, tile has %d", name, checked, live * kBlockN);
+  CHECK(bad == 0, "%s: %d keep decisions disagree with the contract", name, bad);
+  std::printf("%s %-52s %d elements\n", bad == 0 ? "ok" : "FAILED", name, checked);
+}
+
+// The host tiles, with each CPU level's micro-kernels (tests/cpp/host_levels.h), whole and partly live.
+template <class Traits, class TiledMma = typename Traits::TiledMma>
+void check_host_tile_masks(char const* tile) {
+  for (flash_ext::HostKernels const* level : flash_ext::host_levels_to_test()) {
+    for (int live : {Traits::kBlockM, 5}) {
+      flash_ext::HostCtaScope scope(*level);
+      scope.set_live_rows(live);
+      char name[96];
+      std::snprintf(name, sizeof(name), "Host %s, %s, %d live rows", tile, level->name, live);
+      check_tile_mask<Traits, TiledMma>(name, live);
+    }
+  }
 }
 
 template <int kHeadDim>
@@ -196,8 +206,8 @@ int main() {
   check_tile_masks<64>();
   check_tile_masks<128>();
   check_tile_masks<256>();
-  check_tile_mask<flash_ext::HostTraits<64, 128, 64, float>>("Host 128x64");
-  check_tile_mask<flash_ext::HostTraits<64, 16, 64, float>>("Host 16x64 (short queries)");
+  check_host_tile_masks<flash_ext::HostTraits<64, 128, 64, float>>("128x64");
+  check_host_tile_masks<flash_ext::HostTraits<64, 16, 64, float>>("16x64 (short queries)");
   check_bwd_tile_masks<32>();
   check_bwd_tile_masks<64>();
   check_bwd_tile_masks<96>();
@@ -205,7 +215,7 @@ int main() {
   check_bwd_tile_masks<192>();
   check_bwd_tile_masks<256>();
   using HostBwd = flash_ext::HostBwdTraits<64, flash_ext::kHostBwdBlockM, flash_ext::kHostBwdBlockN, float>;
-  check_tile_mask<HostBwd, typename HostBwd::TiledMmaSdP>("Host bwd");
+  check_host_tile_masks<HostBwd, typename HostBwd::TiledMmaSdP>("bwd");
   check_keep_fraction();
   std::printf("%d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;

@@ -13,8 +13,11 @@
 //   load_f16, store_f16  kLanes fp16 values <-> fp32 vector (F16C where the level has it)
 //   kBf16Dot             true where the level has vdpbf16ps; then also
 //   vdot_bf16(acc, a, b) acc + a.lo * b.lo + a.hi * b.hi per lane, a and b holding bf16 pairs in uint32 lanes
-// Everything here has internal linkage (anonymous namespace): each level keeps its own copy, and nothing is
-// instantiated from a shared header (host_isa.h says why).  No standard-library function is called either.
+//   vmul_even_u32(a, b)  the 64-bit products of the even uint32 lanes, as (low, high) lane pairs (pmuludq)
+//   vmovemask(m)         bit l set iff lane l of the comparison result m is true
+// Everything here has internal linkage (anonymous namespace): each level keeps its own copy, and the one
+// shared template used (philox.h's rounds) is instantiated only for a type of this namespace (host_isa.h
+// says why).  No standard-library function is called either.
 //
 // Layouts (why the vectors run down the columns): the host tiles are column-major — query rows are the
 // contiguous dimension of S, P and O (traits_host.h).  A GEMM block then holds kAccRegs vectors of C, each
@@ -27,6 +30,7 @@
 #include <cstdint>
 
 #include "flash_ext/host_isa.h"
+#include "flash_ext/philox.h"
 
 namespace flash_ext {
 namespace {
@@ -470,7 +474,83 @@ void convert(float const* src, void* dst, HostDType to, int64_t n) {
   }
 }
 
-constexpr HostKernels kKernels{kIsa, kName, kLanes, &gemm, &softmax_rescale, &convert};
+// ---------------------------------------------------------------------------------------------------------
+// Dropout (HostDropoutArgs).  The contract of dropout.h, vectorised over group rows: one Philox call covers
+// kLanes consecutive group rows of one group column.  Group row 8 a + r holds query rows 16 a + r and
+// 16 a + 8 + r; group column 4 b + q holds key columns 16 b + 2 q + {0, 1, 8, 9}.  Of a lane's 128 bits,
+// word w = rowhalf + 2 colhalf serves row 16 a + r + 8 rowhalf, and its low / high 16 bits the even / odd
+// column of the column half: so each (word, half) compared with the threshold gives one column's bits for
+// kLanes rows at once, already in the accumulator's row order.
+
+// A Philox word of kLanes counters (philox.h's Word): internal linkage, so philox4x32_10's instantiation
+// for it stays this level's own (host_isa.h says why that matters).
+struct PhiloxVec {
+  vu v;
+};
+FLASH_EXT_INLINE PhiloxVec operator^(PhiloxVec a, PhiloxVec b) { return {a.v ^ b.v}; }
+FLASH_EXT_INLINE PhiloxVec operator+(PhiloxVec a, uint32_t b) { return {a.v + b}; }
+// The 32 x 32 -> 64-bit products of every lane: the level's even-lane widening multiply (pmuludq) on the
+// even lanes and, shifted down, on the odd ones; the low halves by a plain 32-bit multiply.
+FLASH_EXT_INLINE PhiloxVec philox_mul_hi_lo(uint32_t m, PhiloxVec x, PhiloxVec& hi) {
+  typedef uint64_t v64 __attribute__((vector_size(sizeof(vu))));
+  vu const mv = vu{} + m;
+  v64 const even = (v64)vmul_even_u32(x.v, mv);
+  v64 const odd = (v64)vmul_even_u32((vu)((v64)x.v >> 32), mv);
+  hi.v = (vu)((even >> 32) | (odd & 0xffffffff00000000ull));
+  return {x.v * m};
+}
+
+void dropout_keep(HostDropoutArgs const& d) {
+  constexpr int kRun = kLanes < 8 ? kLanes : 8;  // lanes of one 16-row block: a run of adjacent bits
+  int const live_rows = d.live_rows < d.rows ? d.live_rows : d.rows;
+  int const group_rows = 8 * ((live_rows + 15) / 16);
+  for (int w = 0; w < d.rows * d.cols / 32; ++w) { d.words[w] = 0; }
+  vu lane = {};
+  for (int l = 0; l < kLanes; ++l) { lane[l] = uint32_t(l); }
+  PhiloxVec const bh{vu{} + d.bh}, offset_lo{vu{} + d.offset_lo}, key0{vu{} + d.key0}, key1{vu{} + d.key1};
+  vi const threshold = vi{} + int32_t(d.threshold);  // <= 65536: signed compares are exact
+  uint32_t const grow0 = uint32_t(8 * (d.row0 / 16)), gcol0 = uint32_t(4 * (d.col0 / 16));
+  for (int gc = 0; gc < d.cols / 4; ++gc) {
+    int const col = 16 * (gc / 4) + 2 * (gc % 4);  // the group's first column within the tile
+    PhiloxVec const gcol{vu{} + (gcol0 + uint32_t(gc))};
+    for (int gr = 0; gr < group_rows; gr += kLanes) {
+      PhiloxVec const grow{lane + (grow0 + uint32_t(gr))};
+      Philox4<PhiloxVec> const x = philox4x32_10<PhiloxVec>(gcol, grow, bh, offset_lo, key0, key1);
+#pragma GCC unroll 4
+      for (int w = 0; w < 4; ++w) {
+        int const row_half = w % 2, col_half = w / 2;
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          vi const r = (vi)((x.x[w].v >> (16 * half)) & 0xffffu);
+          uint32_t const keep = vmovemask(r < threshold);  // bit l: group row gr + l
+          int const n = col + half + 8 * col_half;
+          for (int l0 = 0; l0 < kLanes && gr + l0 < group_rows; l0 += kRun) {
+            int const g = gr + l0;
+            int const bit = 16 * (g / 8) + g % 8 + 8 * row_half + d.rows * n;  // a run never crosses a word
+            d.words[bit / 32] |= ((keep >> l0) & ((1u << kRun) - 1u)) << (bit % 32);
+          }
+        }
+      }
+    }
+  }
+}
+
+void dropout_apply(float* p, int64_t ldp, int rows, int cols, int live_rows, uint32_t const* words) {
+  int const live = live_rows < rows ? live_rows : rows;
+  vu lane_bit = {};
+  for (int l = 0; l < kLanes; ++l) { lane_bit[l] = 1u << l; }
+  for (int n = 0; n < cols; ++n) {
+    for (int m0 = 0; m0 < live; m0 += kLanes) {
+      int const bit = m0 + rows * n;  // kLanes divides 16 and rows: a vector's bits share a word
+      uint32_t const keep = words[bit / 32] >> (bit % 32);
+      vi const kept = (vi)(((vu{} + keep) & lane_bit) != 0);
+      float* x = p + m0 + n * ldp;
+      vstore(x, kept ? vload(x) : vf{});  // a select: a dropped NaN or inf score becomes 0 too
+    }
+  }
+}
+
+constexpr HostKernels kKernels{kIsa, kName, kLanes, &gemm, &softmax_rescale, &convert, &dropout_keep, &dropout_apply};
 
 #undef FLASH_EXT_INLINE
 
