@@ -8,6 +8,7 @@
 #include "flash_ext/bwd_postprocess.h"
 #include "flash_ext/bwd_preprocess.h"
 #include "flash_ext/dispatch_bwd.h"
+#include "flash_ext/instantiations.h"
 #include "flash_ext/launch_sm80_bwd.cuh"
 
 #ifndef FLASH_EXT_GPU_BWD_HEADDIMS_MASK
@@ -31,46 +32,8 @@ FLASH_EXT_DECLARE(256)
 
 namespace {
 
-constexpr int kNumGpuHeadDims = int(sizeof(kGpuHeadDims) / sizeof(kGpuHeadDims[0]));
-
 // The backward's own subset (FLASH_EXT_BWD_HEADDIMS, setup.py), independent of the forward's.
-constexpr bool head_dim_built(int i) { return ((FLASH_EXT_GPU_BWD_HEADDIMS_MASK) >> i) & 1; }
-
-constexpr bool head_dim_compiled(int hd) {
-  for (int i = 0; i < kNumGpuHeadDims; ++i) {
-    if (kGpuHeadDims[i] == hd) { return head_dim_built(i); }
-  }
-  return false;
-}
-
-int built_head_dim_for(int d) {
-  for (int i = 0; i < kNumGpuHeadDims; ++i) {
-    if (head_dim_built(i) && d <= kGpuHeadDims[i]) { return kGpuHeadDims[i]; }
-  }
-  return -1;
-}
-
-// Calls fn.template operator()<HD, Element, Causal>() for the problem's instantiation.
-template <class Fn>
-bool visit_bwd_instantiation(int hd, DType dtype, bool causal, Fn&& fn) {
-  auto with_hd = [&]<int HD>() {
-    if (dtype == DType::kFloat16) {
-      causal ? fn.template operator()<HD, cutlass::half_t, true>() : fn.template operator()<HD, cutlass::half_t, false>();
-    } else {
-      causal ? fn.template operator()<HD, cutlass::bfloat16_t, true>()
-             : fn.template operator()<HD, cutlass::bfloat16_t, false>();
-    }
-  };
-  switch (hd) {
-    case 32: with_hd.template operator()<32>(); return true;
-    case 64: with_hd.template operator()<64>(); return true;
-    case 96: with_hd.template operator()<96>(); return true;
-    case 128: with_hd.template operator()<128>(); return true;
-    case 192: with_hd.template operator()<192>(); return true;
-    case 256: with_hd.template operator()<256>(); return true;
-    default: return false;
-  }
-}
+using Built = CompiledHeadDims<FLASH_EXT_GPU_BWD_HEADDIMS_MASK>;
 
 // One thread per (query row, head): D for the row and its zeroed dQ slices.  Consecutive threads take
 // consecutive heads of a row, so a warp reads one contiguous stretch of dO and O.
@@ -121,19 +84,13 @@ std::string launch_pre_post(BwdParams const& params, cudaStream_t stream, bool p
 CudaBwdPlan plan_bwd_cuda(BwdParams const& params, DType dtype, int cc_major, int cc_minor, int max_smem_optin,
                           int processors) {
   CudaBwdPlan plan;
-  if (cc_major < 8) {
-    plan.why = "the GPU has compute capability " + std::to_string(cc_major) + "." + std::to_string(cc_minor) +
-               "; flash_ext's CUDA kernels need sm_80 or newer (use CPU tensors instead)";
-    return plan;
-  }
-  if (dtype == DType::kFloat32) {
-    plan.why = "CUDA kernels take fp16 or bf16 (fp32 runs on the CPU backend)";
-    return plan;
-  }
-  int const hd = built_head_dim_for(params.d);
+  plan.why = cuda_refusal(cc_major, cc_minor, dtype);
+  if (!plan.why.empty()) { return plan; }
+  int const hd = Built::at_least(params.d);
   if (hd < 0) {
-    plan.why = "no GPU backward kernel for head dim " + std::to_string(params.d) + " in this build; rebuild with "
-               "FLASH_EXT_BWD_HEADDIMS including a head dim >= " + std::to_string(params.d);
+    plan.why = "no GPU backward kernel for head dim " + std::to_string(params.d) + " in this build (compiled "
+               "backward head dims: " + Built::list() + "); rebuild with FLASH_EXT_BWD_HEADDIMS including a head dim >= " +
+               std::to_string(params.d);
     return plan;
   }
   // The grid is (K/V tiles or dQ columns, batch, K/V heads): gridDim.y and gridDim.z hold at most 65,535.
@@ -173,9 +130,9 @@ std::string run_bwd_cuda(BwdParams const& params, DType dtype, int cc_major, int
   std::string result = fp16 ? launch_pre_post<cutlass::half_t>(params, stream, true)
                             : launch_pre_post<cutlass::bfloat16_t>(params, stream, true);
   if (!result.empty()) { return result; }
-  visit_bwd_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
+  visit_gpu_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
     // Only compiled instantiations are referenced, so a partial build links.
-    if constexpr (head_dim_compiled(HD)) { result = run_bwd_sm80<HD, Element, Causal>(params, stream); }
+    if constexpr (Built::contains(HD)) { result = run_bwd_sm80<HD, Element, Causal>(params, stream); }
   });
   if (!result.empty()) { return result; }
   return fp16 ? launch_pre_post<cutlass::half_t>(params, stream, false)

@@ -7,6 +7,7 @@
 #include "flash_ext/dispatch.h"
 #include "flash_ext/fwd_api.h"
 #include "flash_ext/grid.h"
+#include "flash_ext/instantiations.h"
 #include "flash_ext/launch_sm80.cuh"
 
 #ifndef FLASH_EXT_GPU_HEADDIMS_MASK
@@ -30,77 +31,14 @@ FLASH_EXT_DECLARE(256)
 
 namespace {
 
-constexpr int kNumGpuHeadDims = int(sizeof(kGpuHeadDims) / sizeof(kGpuHeadDims[0]));
-
-constexpr bool head_dim_built(int i) { return ((FLASH_EXT_GPU_HEADDIMS_MASK) >> i) & 1; }
-
-constexpr bool head_dim_compiled(int hd) {
-  for (int i = 0; i < kNumGpuHeadDims; ++i) {
-    if (kGpuHeadDims[i] == hd) { return head_dim_built(i); }
-  }
-  return false;
-}
-
-// Smallest compiled head dim >= d, or -1.
-int built_head_dim_for(int d) {
-  for (int i = 0; i < kNumGpuHeadDims; ++i) {
-    if (head_dim_built(i) && d <= kGpuHeadDims[i]) { return kGpuHeadDims[i]; }
-  }
-  return -1;
-}
-
-std::string built_list() {
-  std::string s;
-  for (int i = 0; i < kNumGpuHeadDims; ++i) {
-    if (head_dim_built(i)) { s += (s.empty() ? "" : ", ") + std::to_string(kGpuHeadDims[i]); }
-  }
-  return s.empty() ? "none" : s;
-}
-
-template <int kHeadDim, class Element, bool kCausal, SmemBudget kBudget>
-void fill_plan_traits(CudaPlan& plan, FwdParams const& params) {
-  using Traits = typename Sm80Fwd<kHeadDim, Element, kCausal, kBudget>::Traits;
-  plan.head_dim = kHeadDim;
-  plan.block_m = Traits::kBlockM;
-  plan.block_n = Traits::kBlockN;
-  plan.num_warps = Traits::kNWarps;
-  plan.smem_bytes = Traits::kSmemBytes;
-  plan.variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
-  plan.variant_name = plan.variant >= 0 ? kVariants[plan.variant].name : "";
-  plan.grid = fwd_grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.b, params.h, params.num_splits);
-  plan.ok = plan.variant >= 0 && grid_error(plan.grid) == nullptr;
-  if (plan.variant < 0) { plan.why = "no compiled flag variant admits this problem"; }
-  if (char const* why = grid_error(plan.grid)) { plan.why = std::string("cannot launch: ") + why; }
-}
+using Built = CompiledHeadDims<FLASH_EXT_GPU_HEADDIMS_MASK>;
 
 template <int kHeadDim, class Element, bool kCausal>
 void fill_plan(CudaPlan& plan, FwdParams const& params, SmemBudget budget) {
   if (Sm80Fwd<kHeadDim, Element, kCausal>::kBudgetMatters && budget == SmemBudget::kSm86) {
-    fill_plan_traits<kHeadDim, Element, kCausal, SmemBudget::kSm86>(plan, params);
+    fill_fwd_plan<typename Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm86>::Traits>(plan, params, kCausal);
   } else {
-    fill_plan_traits<kHeadDim, Element, kCausal, SmemBudget::kSm80>(plan, params);
-  }
-}
-
-// Calls fn.template operator()<HD, Element, Causal>() for the problem's instantiation.
-template <class Fn>
-bool visit_instantiation(int hd, DType dtype, bool causal, Fn&& fn) {
-  auto with_hd = [&]<int HD>() {
-    if (dtype == DType::kFloat16) {
-      causal ? fn.template operator()<HD, cutlass::half_t, true>() : fn.template operator()<HD, cutlass::half_t, false>();
-    } else {
-      causal ? fn.template operator()<HD, cutlass::bfloat16_t, true>()
-             : fn.template operator()<HD, cutlass::bfloat16_t, false>();
-    }
-  };
-  switch (hd) {
-    case 32: with_hd.template operator()<32>(); return true;
-    case 64: with_hd.template operator()<64>(); return true;
-    case 96: with_hd.template operator()<96>(); return true;
-    case 128: with_hd.template operator()<128>(); return true;
-    case 192: with_hd.template operator()<192>(); return true;
-    case 256: with_hd.template operator()<256>(); return true;
-    default: return false;
+    fill_fwd_plan<typename Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm80>::Traits>(plan, params, kCausal);
   }
 }
 
@@ -126,22 +64,15 @@ std::string launch_combine(FwdParams const& params, cudaStream_t stream) {
 
 CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int cc_minor, int max_smem_optin) {
   CudaPlan plan;
-  if (cc_major < 8) {
-    plan.why = "the GPU has compute capability " + std::to_string(cc_major) + "." + std::to_string(cc_minor) +
-               "; flash_ext's CUDA kernels need sm_80 or newer (use CPU tensors instead)";
-    return plan;
-  }
-  if (dtype == DType::kFloat32) {
-    plan.why = "CUDA kernels take fp16 or bf16 (fp32 runs on the CPU backend)";
-    return plan;
-  }
-  int const hd = built_head_dim_for(params.d);
+  plan.why = cuda_refusal(cc_major, cc_minor, dtype);
+  if (!plan.why.empty()) { return plan; }
+  int const hd = Built::at_least(params.d);
   if (hd < 0) {
     plan.why = "no GPU kernel for head dim " + std::to_string(params.d) + " in this build (compiled head dims: " +
-               built_list() + "); rebuild with FLASH_EXT_HEADDIMS including a head dim >= " + std::to_string(params.d);
+               Built::list() + "); rebuild with FLASH_EXT_HEADDIMS including a head dim >= " + std::to_string(params.d);
     return plan;
   }
-  visit_instantiation(hd, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
+  visit_gpu_instantiation(hd, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
     fill_plan<HD, Element, Causal>(plan, params, smem_budget_for(max_smem_optin));
   });
   return plan;
@@ -152,9 +83,9 @@ std::string run_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int
   CudaPlan const plan = plan_fwd_cuda(params, dtype, cc_major, cc_minor, max_smem_optin);
   if (!plan.ok) { return plan.why; }
   std::string result;
-  visit_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
+  visit_gpu_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
     // Only compiled instantiations are referenced, so a partial build links.
-    if constexpr (head_dim_compiled(HD)) {
+    if constexpr (Built::contains(HD)) {
       result = run_fwd_sm80<HD, Element, Causal>(params, static_cast<cudaStream_t>(stream),
                                                  smem_budget_for(max_smem_optin));
     }

@@ -21,22 +21,11 @@
 #include "flash_ext/traits_sm80.h"
 #include "flash_ext/traits_sm80_bwd.h"
 #include "host_levels.h"
+#include "check.h"
 
 using namespace cute;
 using flash_ext::DropoutRng;
 
-static int g_failures = 0;
-static int g_checks = 0;
-#define CHECK(cond, ...)                               \
-  do {                                                 \
-    ++g_checks;                                        \
-    if (!(cond)) {                                     \
-      ++g_failures;                                    \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::printf(__VA_ARGS__);                        \
-      std::printf("\n");                               \
-    }                                                  \
-  } while (0)
 
 // 1. Random123 tests/kat_vectors, "philox4x32 10" lines: counter (4 words), key (2 words) -> output (4 words).
 struct Kat {
@@ -217,6 +206,5 @@ int main() {
   using HostBwd = flash_ext::HostBwdTraits<64, flash_ext::kHostBwdBlockM, flash_ext::kHostBwdBlockN, float>;
   check_host_tile_masks<HostBwd, typename HostBwd::TiledMmaSdP>("bwd");
   check_keep_fraction();
-  std::printf("%d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return check_summary();
 }

@@ -16,20 +16,10 @@
 
 #include "emu/ptx.h"
 #include "emu/runtime.h"
+#include "check.h"
 
 using namespace flash_ext::emu;
 
-static int g_failures = 0, g_checks = 0;
-#define CHECK(cond, ...)                               \
-  do {                                                 \
-    ++g_checks;                                        \
-    if (!(cond)) {                                     \
-      ++g_failures;                                    \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::printf(__VA_ARGS__);                        \
-      std::printf("\n");                               \
-    }                                                  \
-  } while (0)
 
 // ---------------------------------------------------------------------------------------------------
 // 1. Conversions
@@ -394,6 +384,5 @@ int main() {
   test_ldmatrix_address();
   test_unwritten_read();
   test_red_add();
-  std::printf("%d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return check_summary();
 }

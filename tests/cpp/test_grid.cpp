@@ -7,20 +7,10 @@
 #include <vector>
 
 #include "flash_ext/grid.h"
+#include "check.h"
 
 using namespace flash_ext;
 
-static int g_failures = 0, g_checks = 0;
-#define CHECK(cond, ...)                               \
-  do {                                                 \
-    ++g_checks;                                        \
-    if (!(cond)) {                                     \
-      ++g_failures;                                    \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::printf(__VA_ARGS__);                        \
-      std::printf("\n");                               \
-    }                                                  \
-  } while (0)
 
 bool within_limits(GridDims g) { return g.x <= kMaxGridX && g.y <= kMaxGridYZ && g.z <= kMaxGridYZ && g.y >= 1 && g.z >= 1; }
 
@@ -128,6 +118,5 @@ int main() {
   combine(1000, 64, 3, 5);
   combine(7, 256, 70000, 1);
   combine(1, 8, 1, 66000);
-  std::printf("%d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return check_summary();
 }

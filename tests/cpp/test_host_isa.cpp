@@ -17,6 +17,7 @@
 #include "flash_ext/host_isa.h"
 #include "flash_ext/softmax.h"
 #include "flash_ext/traits_host.h"
+#include "check.h"
 
 namespace flash_ext {
 HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
@@ -24,16 +25,6 @@ HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulat
 
 using namespace flash_ext;
 
-static int g_failures = 0;
-#define CHECK(cond, ...)                               \
-  do {                                                 \
-    if (!(cond)) {                                     \
-      ++g_failures;                                    \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::printf(__VA_ARGS__);                        \
-      std::printf("\n");                               \
-    }                                                  \
-  } while (0)
 
 namespace {
 
@@ -322,6 +313,5 @@ int main() {
     std::printf("avx512 emulated on avx2: skipped (this CPU lacks avx2)\n");
   }
 #endif
-  std::printf("%d failures\n", g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return check_summary();
 }

@@ -14,21 +14,10 @@
 #include "flash_ext/gemm.h"
 #include "flash_ext/traits_host.h"
 #include "flash_ext/traits_sm80.h"
+#include "check.h"
 
 using namespace cute;
 
-static int g_failures = 0;
-static int g_checks = 0;
-#define CHECK(cond, ...)                                  \
-  do {                                                    \
-    ++g_checks;                                           \
-    if (!(cond)) {                                        \
-      ++g_failures;                                       \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
-      std::printf(__VA_ARGS__);                           \
-      std::printf("\n");                                  \
-    }                                                     \
-  } while (0)
 
 using Coord = std::pair<int, int>;
 
@@ -193,6 +182,5 @@ int main() {
   check_head_dim<128>();
   check_head_dim<192>();
   check_head_dim<256>();
-  std::printf("%d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return check_summary();
 }

@@ -19,21 +19,10 @@
 #include "flash_ext/gemm.h"
 #include "flash_ext/traits_host_bwd.h"
 #include "flash_ext/traits_sm80_bwd.h"
+#include "check.h"
 
 using namespace cute;
 
-static int g_failures = 0;
-static int g_checks = 0;
-#define CHECK(cond, ...)                                  \
-  do {                                                    \
-    ++g_checks;                                           \
-    if (!(cond)) {                                        \
-      ++g_failures;                                       \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
-      std::printf(__VA_ARGS__);                           \
-      std::printf("\n");                                  \
-    }                                                     \
-  } while (0)
 
 struct Coverage {
   int rows, cols;
@@ -184,6 +173,5 @@ int main() {
   check_head_dim<128>();
   check_head_dim<192>();
   check_head_dim<256>();
-  std::printf("%d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return check_summary();
 }
