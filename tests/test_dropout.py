@@ -54,6 +54,17 @@ def test_mask_op_matches_numpy(device, seed, offset):
         assert torch.equal(got, _ref_mask(rs, p, 3, 5, 37, 53)), (seed, offset, p)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1, 1, 70000, 3), (1, 70001, 2, 2), (2, 1, 3, 70003)])
+def test_mask_op_past_grid_limits(device, shape):
+    """seqlen_q or batch * heads past CUDA's 65,535 grid.y/z (and a long key row): the mask op covers every
+    element, equal to the numpy reference (on CUDA a grid-stride loop; it once refused these shapes)."""
+    device = require_device(device)
+    rs = _rng_state(2024, 77, device)
+    got = torch.ops.flash_ext.dropout_mask(rs, 0.4, *shape).cpu()
+    assert torch.equal(got, _ref_mask(rs, 0.4, *shape)), shape
+
+
 def test_mask_depends_on_every_coordinate_and_state():
     """Changing the seed, the offset (low or high half), batch, head, row or column changes the bits: the
     reference is not degenerate (so agreeing with it means something)."""

@@ -3,6 +3,7 @@
 // kernels' grouped evaluation that it is compared against.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "flash_ext/dropout.h"
@@ -11,26 +12,32 @@
 namespace flash_ext {
 namespace {
 
-// One thread per key column of one (batch, head, row); blockIdx.y = row, blockIdx.z = batch * heads + head.
+// A grid-stride loop over the (batch * heads, seqlen_q, seqlen_k) elements in memory order, so that no
+// extent meets a grid limit (grid.y/z hold 65,535: a long sequence or many heads would not launch) and
+// consecutive threads write consecutive bytes.
 __global__ void dropout_mask_kernel(__grid_constant__ const FwdParams params, bool* mask, int heads, int seqlen_q,
-                                    int seqlen_k) {
-  int const j = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
-  int const i = int(blockIdx.y), bh = int(blockIdx.z);
-  if (j >= seqlen_k) { return; }
-  DropoutRng const rng = DropoutRng::make(dropout_seed_offset(params), bh / heads, bh % heads, heads,
-                                          params.dropout_threshold);
-  mask[(int64_t(bh) * seqlen_q + i) * seqlen_k + j] = dropout_keep(rng, i, j);
+                                    int seqlen_k, int64_t total) {
+  PhiloxSeedOffset const so = dropout_seed_offset(params);
+  int64_t const stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+    int const j = int(e % seqlen_k);
+    int64_t const row = e / seqlen_k;
+    int const i = int(row % seqlen_q), bh = int(row / seqlen_q);
+    DropoutRng const rng = DropoutRng::make(so, bh / heads, bh % heads, heads, params.dropout_threshold);
+    mask[e] = dropout_keep(rng, i, j);
+  }
 }
 
 }  // namespace
 
 std::string run_dropout_mask_cuda(FwdParams const& params, bool* mask, int batch, int heads, int seqlen_q,
                                   int seqlen_k, void* stream) {
-  if (int64_t(batch) * heads > 65535 || seqlen_q > 65535) {
-    return "dropout_mask: batch * heads and seqlen_q must be at most 65535 on CUDA (grid limits)";
-  }
-  dim3 const grid(unsigned((seqlen_k + 127) / 128), unsigned(seqlen_q), unsigned(batch * heads));
-  dropout_mask_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(params, mask, heads, seqlen_q, seqlen_k);
+  constexpr int kThreads = 256;
+  constexpr int64_t kMaxBlocks = int64_t(1) << 20;  // enough to fill any GPU; the loop covers the rest
+  int64_t const total = int64_t(batch) * heads * seqlen_q * seqlen_k;
+  int64_t const blocks = std::min((total + kThreads - 1) / kThreads, kMaxBlocks);
+  dropout_mask_kernel<<<unsigned(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(params, mask, heads,
+                                                                                           seqlen_q, seqlen_k, total);
   cudaError_t const err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string("kernel launch: ") + cudaGetErrorString(err);
 }
