@@ -76,6 +76,22 @@ constexpr int gpu_head_dim_for(int d) {
   return -1;
 }
 
+// Calls fn.template operator()<HD>() with HD == hd, one of kGpuHeadDims (the host backend instantiates the
+// same head dims); false for any other hd.  From a run-time head dim to a template argument, in one place.
+template <class Fn>
+bool visit_head_dim(int hd, Fn&& fn) {
+  switch (hd) {
+    case 32: fn.template operator()<32>(); return true;
+    case 64: fn.template operator()<64>(); return true;
+    case 96: fn.template operator()<96>(); return true;
+    case 128: fn.template operator()<128>(); return true;
+    case 192: fn.template operator()<192>(); return true;
+    case 256: fn.template operator()<256>(); return true;
+    default: return false;
+  }
+}
+static_assert(sizeof(kGpuHeadDims) / sizeof(kGpuHeadDims[0]) == 6, "visit_head_dim names every head dim");
+
 // ---------------------------------------------------------------------------------------------------
 // Static flag combinations compiled into each (head dim, dtype, causal) file.  Each costs compile time for
 // every user, so the list is short: a fully static kernel for the common case, and general kernels that
@@ -119,6 +135,22 @@ CUTE_HOST_DEVICE constexpr ProblemFlags problem_flags(FwdParams const& p, int bl
   bool const varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
   return {!varlen && p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0, p.d == head_dim, p.is_local,
           p.alibi_slopes_ptr != nullptr, p.softcap > 0.f, p.num_splits > 1, p.is_dropout};
+}
+
+// The flags as a kernel body sees them: static members keep their constant, runtime members take the
+// problem's values (the dispatcher only picks a static combination that agrees with them).
+template <class Flags>
+CUTE_HOST_DEVICE Flags flags_from_problem(ProblemFlags const& pf, bool causal) {
+  Flags f;
+  f.even_mn = make_flag<decltype(f.even_mn)>(pf.even_mn);
+  f.even_k = make_flag<decltype(f.even_k)>(pf.even_k);
+  f.causal = make_flag<decltype(f.causal)>(causal);
+  f.local = make_flag<decltype(f.local)>(pf.local);
+  f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
+  f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
+  f.split = make_flag<decltype(f.split)>(pf.split);
+  f.dropout = make_flag<decltype(f.dropout)>(pf.dropout);
+  return f;
 }
 
 constexpr bool admits(FlagMode mode, bool value) {

@@ -48,23 +48,14 @@ struct CompiledHeadDims {
 // build lacks guards it with CompiledHeadDims<...>::contains(HD) (a partial build must still link).
 template <class Fn>
 bool visit_gpu_instantiation(int hd, DType dtype, bool causal, Fn&& fn) {
-  auto with_hd = [&]<int HD>() {
+  return visit_head_dim(hd, [&]<int HD>() {
     if (dtype == DType::kFloat16) {
       causal ? fn.template operator()<HD, cutlass::half_t, true>() : fn.template operator()<HD, cutlass::half_t, false>();
     } else {
       causal ? fn.template operator()<HD, cutlass::bfloat16_t, true>()
              : fn.template operator()<HD, cutlass::bfloat16_t, false>();
     }
-  };
-  switch (hd) {
-    case 32: with_hd.template operator()<32>(); return true;
-    case 64: with_hd.template operator()<64>(); return true;
-    case 96: with_hd.template operator()<96>(); return true;
-    case 128: with_hd.template operator()<128>(); return true;
-    case 192: with_hd.template operator()<192>(); return true;
-    case 256: with_hd.template operator()<256>(); return true;
-    default: return false;
-  }
+  });
 }
 
 // Why no CUDA kernel of this library can run a (device, dtype) pair, or "" when one may.

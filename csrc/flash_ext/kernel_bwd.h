@@ -40,17 +40,9 @@ namespace flash_ext {
 // does not exist in the backward).
 template <class Traits, class Flags>
 CUTE_HOST_DEVICE Flags bwd_flags_from_params(BwdParams const& p) {
-  ProblemFlags const pf = problem_flags(p, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim);
-  Flags f;
-  f.even_mn = make_flag<decltype(f.even_mn)>(pf.even_mn);
-  f.even_k = make_flag<decltype(f.even_k)>(pf.even_k);
-  f.causal = make_flag<decltype(f.causal)>(p.is_causal);
-  f.local = make_flag<decltype(f.local)>(pf.local);
-  f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
-  f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
-  f.split = make_flag<decltype(f.split)>(false);
-  f.dropout = make_flag<decltype(f.dropout)>(pf.dropout);
-  return f;
+  ProblemFlags pf = problem_flags(p, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim);
+  pf.split = false;
+  return flags_from_problem<Flags>(pf, p.is_causal);
 }
 
 // Registers -> shared memory for P and dS: converted to ElementPdS (fp16/bf16 on the GPU, where they feed

@@ -22,22 +22,10 @@
 
 namespace flash_ext {
 
-// The flags as the body sees them: static members keep their constant, runtime members are computed
-// from the problem (problem_flags, shared with the dispatcher, which only picks a static combination that
-// agrees with these values).
+// The flags of the forward body for this traits' tile (problem_flags is shared with the dispatcher).
 template <class Traits, class Flags>
 CUTE_HOST_DEVICE Flags flags_from_params(FwdParams const& p) {
-  ProblemFlags const pf = problem_flags(p, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim);
-  Flags f;
-  f.even_mn = make_flag<decltype(f.even_mn)>(pf.even_mn);
-  f.even_k = make_flag<decltype(f.even_k)>(pf.even_k);
-  f.causal = make_flag<decltype(f.causal)>(p.is_causal);
-  f.local = make_flag<decltype(f.local)>(pf.local);
-  f.alibi = make_flag<decltype(f.alibi)>(pf.alibi);
-  f.softcap = make_flag<decltype(f.softcap)>(pf.softcap);
-  f.split = make_flag<decltype(f.split)>(pf.split);
-  f.dropout = make_flag<decltype(f.dropout)>(pf.dropout);
-  return f;
+  return flags_from_problem<Flags>(problem_flags(p, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim), p.is_causal);
 }
 
 template <class Traits, class Flags>

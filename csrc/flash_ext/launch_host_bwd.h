@@ -100,15 +100,9 @@ void run_bwd_host_head_dim(BwdParams const& params, HostKernels const& kernels, 
 template <class Element, class ParallelFor>
 void run_bwd_host(BwdParams const& params, ParallelFor&& parallel_for, HostKernels const* kernels = nullptr) {
   HostKernels const& k = kernels != nullptr ? *kernels : *host_kernels_for(host_isa_selected());
-  switch (host_head_dim_for(params.d)) {
-    case 32: return run_bwd_host_head_dim<32, Element>(params, k, parallel_for);
-    case 64: return run_bwd_host_head_dim<64, Element>(params, k, parallel_for);
-    case 96: return run_bwd_host_head_dim<96, Element>(params, k, parallel_for);
-    case 128: return run_bwd_host_head_dim<128, Element>(params, k, parallel_for);
-    case 192: return run_bwd_host_head_dim<192, Element>(params, k, parallel_for);
-    case 256: return run_bwd_host_head_dim<256, Element>(params, k, parallel_for);
-    default: break;  // the op layer rejects head dims without a compiled host kernel before this point
-  }
+  // The op layer rejects head dims without a compiled host kernel before this point.
+  visit_head_dim(host_head_dim_for(params.d),
+                 [&]<int HD>() { run_bwd_host_head_dim<HD, Element>(params, k, parallel_for); });
 }
 
 }  // namespace flash_ext
