@@ -1,0 +1,40 @@
+// The 16-lane AVX-512 definitions that kernels.h needs (its list of what a level defines), shared by the
+// two AVX-512 levels (csrc/host/isa_avx512.cpp, isa_avx512_bf16.cpp).  Included by those units only, after
+// isa/target_begin.h has enabled AVX-512 and after they define kIsa and kName; everything here has internal
+// linkage, so each level keeps its own copy (host_isa.h says why that matters).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace flash_ext {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kAccRegs = 24;
+constexpr int kMaxRowVectors = 2;  // 2 x 12 blocks: 24 accumulators, 2 A vectors, 1 broadcast
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline __attribute__((always_inline)) vf vsplat(float x) { return _mm512_set1_ps(x); }
+inline __attribute__((always_inline)) bool all_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) == 0xffff; }
+inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) { return (vu)_mm512_mul_epu32((__m512i)a, (__m512i)b); }
+inline __attribute__((always_inline)) uint32_t vmovemask(vi m) { return uint32_t(_mm512_movepi32_mask((__m512i)m)); }
+inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
+  // The maskz forms: GCC 12's unmasked ones warn (-Wmaybe-uninitialized) inside their own headers.
+  __m512i const x = _mm512_maskz_cvtepu16_epi32(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+  return (vf)((vu)x << 16);
+}
+inline __attribute__((always_inline)) vf load_f16(uint16_t const* p) {
+  return _mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+}
+inline __attribute__((always_inline)) void store_f16(uint16_t* p, vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtps_ph(__mmask16(0xffff), x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+}  // namespace
+}  // namespace flash_ext
