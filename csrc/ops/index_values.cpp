@@ -58,6 +58,23 @@ bool check_index_tensor(ArgChecker& c, std::optional<at::Tensor> const& t, char 
   return ok;
 }
 
+bool check_cu_seqlens_pair(ArgChecker& c, at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                           at::Device device) {
+  bool cu_ok = true;
+  for (auto const& [name, t] : {std::pair{"cu_seqlens_q", &cu_seqlens_q}, std::pair{"cu_seqlens_k", &cu_seqlens_k}}) {
+    bool const ok = t->dim() == 1 && t->numel() >= 1 && t->scalar_type() == at::kInt && t->device() == device;
+    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+              "must be a 1-D int32 tensor of length batch + 1 on q's device");
+    cu_ok = cu_ok && ok;
+  }
+  if (cu_ok) {
+    c.require(cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k", "length " + std::to_string(cu_seqlens_k.numel()),
+              "must have the length of cu_seqlens_q (" + std::to_string(cu_seqlens_q.numel()) + ")");
+    cu_ok = cu_seqlens_k.numel() == cu_seqlens_q.numel();
+  }
+  return cu_ok;
+}
+
 void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper, std::string const& what) {
   int64_t bad = -1;
   for (int64_t i = 0; i < n && bad < 0; ++i) {

@@ -44,6 +44,11 @@ int64_t index_reads();
 bool check_index_tensor(ArgChecker& c, std::optional<at::Tensor> const& t, char const* name, int64_t rank,
                         int64_t batch, at::Device device, char const* device_owner);
 
+// cu_seqlens_q and cu_seqlens_k of a varlen call: 1-D int32 of one length (batch + 1 >= 1) on `device`.
+// Returns false if either is unusable (their values must not be read then).
+bool check_cu_seqlens_pair(ArgChecker& c, at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                           at::Device device);
+
 // Every value of `name` (n values at v) lies in [0, upper).
 void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper, std::string const& what);
 

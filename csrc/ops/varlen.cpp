@@ -24,18 +24,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   ArgChecker c("flash_ext.varlen_fwd");
   bool const paged = block_table.has_value();
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true, /*kv_cache=*/false, /*paged_varlen=*/paged);
-  bool cu_ok = true;
-  for (auto const& [name, t] : {std::pair{"cu_seqlens_q", &cu_seqlens_q}, std::pair{"cu_seqlens_k", &cu_seqlens_k}}) {
-    bool const ok = t->dim() == 1 && t->numel() >= 1 && t->scalar_type() == at::kInt && t->device() == q.device();
-    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
-              "must be a 1-D int32 tensor of length batch + 1 on q's device");
-    cu_ok = cu_ok && ok;
-  }
-  if (cu_ok) {
-    c.require(cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k", "length " + std::to_string(cu_seqlens_k.numel()),
-              "must have the length of cu_seqlens_q (" + std::to_string(cu_seqlens_q.numel()) + ")");
-    cu_ok = cu_seqlens_k.numel() == cu_seqlens_q.numel();
-  }
+  bool const cu_ok = check_cu_seqlens_pair(c, cu_seqlens_q, cu_seqlens_k, q.device());
   int64_t const b = std::max<int64_t>(cu_seqlens_q.numel() - 1, 0);
   bool const used_ok = check_index_tensor(c, seqused_k, "seqused_k", 1, b, q.device(), "q");
   // Paged K/V (flash_attn's varlen + block_table): sequence i's keys are rows [0, its length) of the pages
