@@ -20,12 +20,16 @@
 #include <cutlass/numeric_types.h>
 
 #include "arch_sm80.h"
+#include "traits_sm80_common.h"
 
 namespace flash_ext {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kAtomMSdP_, int kAtomNdKV_, int kAtomMdQ_,
           bool kDoubleBufferQ_, class Element_, class Arch_ = Sm80Arch>
-struct Sm80BwdTraits : Arch_ {
+struct Sm80BwdTraits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 32> {
+  using Common = Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 32>;
+  using Common::kBlockKSmem;
+  using typename Common::SmemLayoutAtom;
   using Arch = Arch_;
   using Element = Element_;
   using ElementAccum = float;
@@ -72,13 +76,7 @@ struct Sm80BwdTraits : Arch_ {
   static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim % (16 * (kNWarps / kAtomMdQ)) == 0, "dQ tile");
   static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "P/dS are k16 operands along both dimensions");
 
-  // Q, dO, K, V: rows of kBlockKSmem elements (64 = 128 bytes when possible), XOR-swizzled as in the forward so
-  // that the 8 rows an ldmatrix phase reads, plain or transposed, fall in distinct banks.
-  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
-  using SmemLayoutAtom = decltype(cute::composition(
-      cute::Swizzle<kSwizzle, 3, 3>{},
-      cute::Layout<cute::Shape<cute::_8, cute::Int<kBlockKSmem>>, cute::Stride<cute::Int<kBlockKSmem>, cute::_1>>{}));
+  // Q, dO, K, V: whole tiles of the forward's swizzled row atom (traits_sm80_common.h).
   using SmemLayoutQdO = decltype(cute::tile_to_shape(SmemLayoutAtom{},
                                                      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemLayoutAtom{},
@@ -110,49 +108,14 @@ struct Sm80BwdTraits : Arch_ {
   using SmemCopyAtomStorePdS = cute::Copy_Atom<typename Arch::VecCopy, Element>;
   using SmemCopyAtomdKV = cute::Copy_Atom<typename Arch::VecCopy, Element>;
 
-  // Global<->shared: 16 bytes per thread and instruction, whole 128-byte lines per warp (as in the forward).
-  static constexpr int kGmemElemsPerLoad = 16 / int(sizeof(Element));
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  static_assert(kNThreads % kGmemThreadsPerRow == 0);
-  using GmemLayoutAtom = cute::Layout<
-      cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
-      cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
-  using GmemValLayout = cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>;
-  using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<typename Arch::CpAsync, Element>{}, GmemLayoutAtom{}, GmemValLayout{}));
-  using GmemTiledCopydKV = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<typename Arch::VecCopy, Element>{}, GmemLayoutAtom{}, GmemValLayout{}));
+  using GmemTiledCopyQKV = typename Common::GmemTiledCopyAsync;
+  using GmemTiledCopydKV = typename Common::GmemTiledCopyVec;
 
   // Q (1 or 2 buffers), dO, K, V, P, dS.  dK and dV are staged through the K and V tiles in the epilogue.
   static constexpr int kSmemQdOBytes = int(cute::cosize_v<SmemLayoutQdO>) * int(sizeof(Element));
   static constexpr int kSmemKVBytes = int(cute::cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemPdSBytes = int(cute::cosize_v<SmemLayoutPdS>) * int(sizeof(ElementPdS));
   static constexpr int kSmemBytes = (kDoubleBufferQ ? 3 : 2) * kSmemQdOBytes + 2 * kSmemKVBytes + 2 * kSmemPdSBytes;
-
-  // One accumulator fragment of the m16n8 atom holds 2 columns x 2 rows per thread.
-  static constexpr int kAccValCols = 2;
-
-  // ((2 cols, 2 rows), MMA_M, MMA_N) accumulator -> ((2, 2, 2), MMA_M, MMA_N / 2): neighbouring n8 tiles
-  // (2a, 2a + 1) side by side.  With the column permutation of WarpTiledMma they are columns c and c + 8 of
-  // one warp's 16-column step, as in the forward's S accumulator.
-  template <class Layout>
-  CUTE_HOST_DEVICE static constexpr auto acc_to_a_layout(Layout acc) {
-    static_assert(decltype(cute::rank(acc))::value == 3);
-    static_assert(decltype(cute::size<0>(acc))::value == 4);
-    static_assert(decltype(cute::size<2>(acc))::value % 2 == 0);
-    auto l = cute::logical_divide(acc, cute::Shape<cute::Underscore, cute::Underscore, cute::_2>{});
-    return cute::make_layout(cute::make_layout(cute::get<0>(l), cute::get<2, 0>(l)), cute::get<1>(l),
-                             cute::get<2, 1>(l));
-  }
-
-  // Dropout groups (dropout.h) of the S accumulator, as in Sm80Traits: rows {R, R + 8} x columns {c, c + 1} of
-  // an atom plus columns {c + 8, c + 9} of its neighbour are one group of the contract, in slot order.
-  // tests/cpp/test_dropout.cpp checks this view for every thread of every backward tile config.
-  template <class Layout>
-  CUTE_HOST_DEVICE static constexpr auto dropout_groups(Layout acc) {
-    auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)
-    return cute::make_layout(cute::get<0>(a), cute::make_layout(cute::get<1>(a), cute::get<2>(a)));
-  }
 };
 
 }  // namespace flash_ext
