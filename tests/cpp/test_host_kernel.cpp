@@ -11,6 +11,7 @@
 
 #include "flash_ext/launch_host.h"
 #include "host_levels.h"
+#include "problem_params.h"
 
 using namespace flash_ext;
 
@@ -38,22 +39,7 @@ bool run_case(Case const& c, const char* dtype, HostKernels const& kernels) {
   for (int i = 0; i < c.h; ++i) slopes[i] = std::exp2(-8.f * (i + 1) / c.h);
 
   FwdParams p;
-  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data(), p.softmax_lse_ptr = lse.data();
-  p.q_batch_stride = index_t(c.sq) * c.h * c.d, p.q_row_stride = c.h * c.d, p.q_head_stride = c.d;
-  p.k_batch_stride = index_t(c.sk) * c.hk * c.d, p.k_row_stride = c.hk * c.d, p.k_head_stride = c.d;
-  p.v_batch_stride = p.k_batch_stride, p.v_row_stride = p.k_row_stride, p.v_head_stride = c.d;
-  p.o_batch_stride = p.q_batch_stride, p.o_row_stride = p.q_row_stride, p.o_head_stride = c.d;
-  p.b = c.b, p.h = c.h, p.h_k = c.hk, p.h_h_k_ratio = c.h / c.hk, p.seqlen_q = c.sq, p.seqlen_k = c.sk, p.d = c.d;
-  p.softmax_scale = 1.f / std::sqrt(float(c.d));
-  p.softcap = c.softcap;
-  p.softcap_prescale = c.softcap > 0 ? p.softmax_scale / c.softcap : 0.f;
-  p.score_scale = c.softcap > 0 ? c.softcap : p.softmax_scale;
-  p.score_scale_log2 = p.score_scale * float(M_LOG2E);
-  p.window_left = c.causal ? -1 : c.wl;
-  p.window_right = c.causal ? 0 : c.wr;
-  p.is_causal = c.causal;
-  p.is_local = !c.causal && (c.wl >= 0 || c.wr >= 0);
-  p.alibi_slopes_ptr = c.alibi ? slopes.data() : nullptr;
+  set_dense_problem(p, c, q.data(), k.data(), v.data(), o.data(), lse.data(), slopes.data());
   // Dropout: the seed and offset are read through pointers (the rng_state-input path) and written back.
   int64_t const rng_in[2] = {int64_t(0x9e3779b97f4a7c15ull), 1ll << 33 | 12345};
   int64_t rng_out[2] = {0, 0};
