@@ -253,8 +253,9 @@ PYBIND11_MODULE(_C, m) {
         "The warp emulator's mode for CPU fp16/bf16 calls: 'sm80' or '' (off); returns the previous one.",
         py::arg("mode"));
   m.def("_set_emulator_test_fault", &ops::set_emulator_test_fault,
-        "Test only: 'narrow:<q|k|v|out>' hides the last 16 bytes of that tensor from the emulator's address "
-        "check, so that the kernel's accesses there are findings; '' turns it off; returns the previous one.",
+        "Test only: 'narrow:<name>' hides the last 16 bytes of the launch's tensor of that name (q, k, v, out, "
+        "softmax_lse, split partials, cu_seqlens_q, block_table, ...) from the emulator's address check, so that "
+        "the kernel's accesses there are findings; '' turns it off; returns the previous one.",
         py::arg("fault"));
   m.def("emulator_report", &ops::emulator_last_report,
         "The report of the latest emulated launch as JSON: findings per check, what ran, the first findings.");

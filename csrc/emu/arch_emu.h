@@ -186,6 +186,18 @@ struct EmuSm80Arch {
   static void atomic_add(float* dst, float value, std::source_location site = std::source_location::current()) {
     emu::red_add_f32(dst, value, site);
   }
+  // ld.global / st.global of one scalar (global_memory.h), checked against the launch's tensors.
+  template <class T>
+  static T load_global(T const* p, std::source_location site = std::source_location::current()) {
+    T value{};
+    emu::global_load(p, &value, int(sizeof(T)), site);
+    return value;
+  }
+  template <class T>
+  static void store_global(T* p, std::type_identity_t<T> value,
+                           std::source_location site = std::source_location::current()) {
+    emu::global_store(p, &value, int(sizeof(T)), site);
+  }
 };
 
 }  // namespace flash_ext

@@ -28,6 +28,37 @@ struct EmuLaunch {
   std::mutex mutex;
 };
 
+// The small global arrays a kernel reads or writes beside its tiles -- cu_seqlens, seqused_k, leftpad_k,
+// kv_batch_idx, block_table, ALiBi slopes, the RNG state, LSE (and, for the backward, D and the LSE
+// gradient) -- with the extents params.h gives them, appended to launch.globals unless the caller already
+// registered a tensor at that address (the op layer and the tests register q/k/v/out and the partials from
+// the tensors themselves).  LSE is writable in the forward and read-only in the backward.
+inline void add_param_ranges(EmuLaunch& launch, FwdParams const& p, bool backward,
+                             float const* softmax_d = nullptr, float const* dsoftmax_lse = nullptr) {
+  auto add = [&](void const* ptr, int64_t elems, size_t elem_bytes, bool writable, char const* name) {
+    if (ptr == nullptr || elems <= 0) { return; }
+    auto const begin = reinterpret_cast<uintptr_t>(ptr);
+    for (GlobalRange const& r : launch.globals) {
+      if (begin == r.begin || (begin > r.begin && begin < r.end)) { return; }  // (a narrowed range may be empty)
+    }
+    launch.globals.push_back({begin, begin + uintptr_t(elems) * elem_bytes, writable, name});
+  };
+  int64_t const b = p.b, stats = p.cu_seqlens_q ? int64_t(p.h) * p.total_q : b * p.h * p.seqlen_q;
+  add(p.cu_seqlens_q, b + 1, sizeof(int), false, "cu_seqlens_q");
+  add(p.cu_seqlens_k, b + 1, sizeof(int), false, "cu_seqlens_k");
+  add(p.seqused_k, b, sizeof(int), false, "seqused_k");
+  add(p.kv_batch_idx, b, sizeof(int), false, "cache_batch_idx");
+  add(p.leftpad_k, b, sizeof(int), false, "cache_leftpad");
+  add(p.block_table, b * p.block_table_batch_stride, sizeof(int), false, "block_table");
+  add(p.alibi_slopes_ptr, (b - 1) * p.alibi_slopes_batch_stride + p.h, sizeof(float), false, "alibi_slopes");
+  add(p.rng_seed_ptr, 1, sizeof(int64_t), false, "rng seed");
+  add(p.rng_offset_ptr, 1, sizeof(int64_t), false, "rng offset");
+  add(p.rng_state_out, 2, sizeof(int64_t), !backward, "rng_state");
+  add(p.softmax_lse_ptr, stats, sizeof(float), !backward, "softmax_lse");
+  add(softmax_d, stats, sizeof(float), false, "softmax_d");
+  add(dsoftmax_lse, stats, sizeof(float), false, "dsoftmax_lse");
+}
+
 // The emulated device: an sm_80 A100 (108 SMs, 163 KB of shared memory per CTA).  The processor count feeds
 // the split-KV heuristic the way the GPU's does.
 inline constexpr int kEmuProcessors = 108;

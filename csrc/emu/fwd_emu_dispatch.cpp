@@ -62,6 +62,7 @@ CudaPlan plan_fwd_emu(FwdParams const& params, DType dtype) {
 std::string run_fwd_emu(FwdParams const& params, DType dtype, EmuLaunch& launch) {
   CudaPlan const plan = plan_fwd_emu(params, dtype);
   if (!plan.ok) { return plan.why; }
+  add_param_ranges(launch, params, /*backward=*/false);
   std::string result;
   visit_gpu_instantiation(plan.head_dim, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
     if constexpr (Built::contains(HD)) { result = run_fwd_emu_sm80<HD, Element, Causal>(params, launch); }

@@ -57,23 +57,29 @@ std::string launch_fwd_emu(FwdParams const& params, EmuLaunch& launch, std::stri
       });
 }
 
-// combine_kernel<Element><<<combine_grid, kCombineThreads>>>: no shared memory and no collectives, so its
-// threads run one after another; the work of each thread is the CUDA kernel's (combine_thread).
+// combine_kernel<Element><<<combine_grid, kCombineThreads>>>: no shared memory and no collectives; each
+// emulated thread does the CUDA thread's work (combine_thread), its global reads and writes checked.
 template <class Element>
 std::string launch_combine_emu(FwdParams const& params, EmuLaunch& launch) {
   GridDims const g = combine_grid(params.seqlen_q, params.d, params.b, params.h);
   if (char const* why = grid_error(g)) { return std::string("combine grid: ") + why; }
-  launch.parallel_for(0, g.x * g.y * g.z, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      auto const x = unsigned(i % g.x), y = unsigned((i / g.x) % g.y), z = unsigned(i / (g.x * g.y));
-      CombineBlock const blk = combine_block(y, z, unsigned(g.y), params.b, params.h);
-      if (!blk.valid) { continue; }
-      for (int tid = 0; tid < kCombineThreads; ++tid) {
-        combine_thread<Element>(params, blk.bidb, blk.bidh, int64_t(x) * kCombineThreads + tid);
-      }
-    }
-  });
-  return {};
+  KernelDesc kernel;
+  kernel.name = std::string("combine_kernel<") + (std::is_same_v<Element, cutlass::half_t> ? "fp16" : "bf16") + ">";
+  kernel.threads = kCombineThreads;
+  return launch_grid_emu(
+      kernel, g, launch,
+      [&](unsigned x, unsigned y, unsigned z, int tid, char*) {
+        CombineBlock const blk = combine_block(y, z, unsigned(g.y), params.b, params.h);
+        if (blk.valid) {
+          combine_thread<Element, EmuSm80Arch>(params, blk.bidb, blk.bidh, int64_t(x) * kCombineThreads + tid);
+        }
+      },
+      [&](unsigned x, unsigned y, unsigned z) {
+        CombineBlock const blk = combine_block(y, z, unsigned(g.y), params.b, params.h);
+        return blk.valid ? "combine rows of batch " + std::to_string(blk.bidb) + ", head " + std::to_string(blk.bidh) +
+                               ", block " + std::to_string(x)
+                         : std::string("padding block");
+      });
 }
 
 template <class Traits, bool kCausal, int kVariant = 0>

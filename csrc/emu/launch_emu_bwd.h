@@ -128,6 +128,7 @@ std::string run_bwd_variant_emu(BwdParams const& params, EmuLaunch& launch, Kern
     return "the GPU dispatcher picks variant " + std::string(variant >= 0 ? kBwdVariants[variant].name : "(none)") +
            " for this problem, not " + kBwdVariants[kVariant].name;
   }
+  add_param_ranges(launch, params, /*backward=*/true, params.softmax_d_ptr, params.dsoftmax_lse_ptr);
   KernelDesc const desc = kernel ? *kernel : bwd_kernel_desc<Traits>(bwd_kernel_name<Traits, kCausal>(kVariant));
   using Element = typename Traits::Element;
   bwd_pre_post_emu<Element>(params, launch, true);

@@ -19,6 +19,7 @@ void Stats::merge(Stats const& o) {
   ctas += o.ctas, threads += o.threads, barriers += o.barriers;
   ldmatrix += o.ldmatrix, mma += o.mma, shfl += o.shfl, cp_async += o.cp_async, smem_vector += o.smem_vector;
   smem_clear += o.smem_clear, global_vector += o.global_vector, red_global += o.red_global;
+  global_plain += o.global_plain;
   wavefronts += o.wavefronts, extra_wavefronts += o.extra_wavefronts, fiber_switches += o.fiber_switches;
 }
 
@@ -85,6 +86,7 @@ std::string Report::json() const {
      << ", \"ldmatrix\": " << s.ldmatrix << ", \"mma\": " << s.mma << ", \"shfl\": " << s.shfl
      << ", \"cp_async\": " << s.cp_async << ", \"smem_vector\": " << s.smem_vector << ", \"smem_clear\": "
      << s.smem_clear << ", \"global_vector\": " << s.global_vector << ", \"red_global\": " << s.red_global
+     << ", \"global_plain\": " << s.global_plain
      << ", \"wavefronts\": " << s.wavefronts << ", \"extra_wavefronts\": " << s.extra_wavefronts
      << ", \"fiber_switches\": " << s.fiber_switches << "}, \"kernels\": [";
   for (size_t i = 0; i < kernels.size(); ++i) { os << (i ? ", " : "") << json_string(kernels[i]); }
@@ -217,6 +219,7 @@ class Cta {
   void clear_store(Thread& t, void* dst, int bytes);
   void clear_done(Thread& t);
   void red_add(Thread& t, float* dst, float v);
+  void plain_global(Thread& t, void const* src, void* dst, int bytes, bool store);
   [[noreturn]] void exit_thread(Thread& t);
 
  private:
@@ -850,6 +853,22 @@ void Cta::red_add(Thread& t, float* dst, float v) {
   ++report_->stats.red_global;
 }
 
+// ld.global / st.global of one scalar: executed on the thread, like the global side of a vector move.  The
+// address must lie in one of the launch's tensors (writable for a store), aligned to the scalar's size.
+void Cta::plain_global(Thread& t, void const* src, void* dst, int bytes, bool store) {
+  void const* const g = store ? static_cast<void const*>(dst) : src;
+  char const* const what = store ? "st.global" : "ld.global";
+  if (in_shared(g) || reinterpret_cast<uintptr_t>(g) % uintptr_t(bytes) != 0) {
+    finding(Check::kBadAddress, [&] { return std::string("bad_address: " + who(t.tid) + " " + what + " of " + std::to_string(bytes) +
+                                    " bytes at a shared-memory or misaligned address; " + where(t, Op::kNone)); });
+  } else if (global_ok(t, g, bytes, store, Op::kNone, what)) {
+    std::memcpy(dst, src, size_t(bytes));
+    ++report_->stats.global_plain;
+    return;
+  }
+  if (!store) { std::memset(dst, 0, size_t(bytes)); }
+}
+
 Cta& cta_of(Thread& t) { return *t.cta; }
 
 }  // namespace
@@ -923,6 +942,18 @@ void red_add_f32(float* global_dst, float value, Site site) {
   Thread& t = self();
   t.site_what = "atomic_add", t.site = site;
   cta_of(t).red_add(t, global_dst, value);
+}
+
+void global_load(void const* global_src, void* value, int bytes, Site site) {
+  Thread& t = self();
+  t.site_what = "load_global", t.site = site;
+  cta_of(t).plain_global(t, global_src, value, bytes, false);
+}
+
+void global_store(void* global_dst, void const* value, int bytes, Site site) {
+  Thread& t = self();
+  t.site_what = "store_global", t.site = site;
+  cta_of(t).plain_global(t, value, global_dst, bytes, true);
 }
 
 void note_site(char const* what, Site site) {

@@ -16,8 +16,8 @@
 //                      cp.async destination counts as written from issue until the issuing thread's wait);
 //   unlanded_read      a shared byte is read before any copy or store has landed in it (never written, or
 //                      its cp.async still in flight: destinations are poisoned at issue, data lands at the wait);
-//   bad_address        an ldmatrix / cp.async / vector access outside shared memory or the launch's global
-//                      tensors, or not aligned to its width;
+//   bad_address        an ldmatrix / cp.async / vector / plain global access outside shared memory or the
+//                      launch's global tensors, not aligned to its width, or a write into a read-only tensor;
 //   divergence         the lanes of a warp wait at different collectives, at a collective and the barrier, or
 //                      at a collective that an exited lane can never join (the CTA is abandoned);
 //   exit_at_barrier    a thread exits while others wait at a barrier;
@@ -55,7 +55,7 @@ inline constexpr char const* kCheckNames[kNumChecks] = {
 struct Stats {
   uint64_t ctas = 0, threads = 0, barriers = 0;
   uint64_t ldmatrix = 0, mma = 0, shfl = 0, cp_async = 0, smem_vector = 0, smem_clear = 0, global_vector = 0;
-  uint64_t red_global = 0;
+  uint64_t red_global = 0, global_plain = 0;  // red.global.add; plain scalar global loads and stores
   uint64_t wavefronts = 0, extra_wavefronts = 0;  // shared-memory wavefronts of ldmatrix, cp.async, vector moves
   uint64_t fiber_switches = 0;
   void merge(Stats const& o);
@@ -133,6 +133,11 @@ void vector_move(void const* src, void* dst, int bytes);
 // Plain stores of zeros: clear_store for each element, then clear_done once (one lockstep step).
 void clear_store(void* shared_dst, int bytes);
 void clear_done(Site site);
+// A plain scalar global access of `bytes` (ld.global / st.global of an index, LSE, ALiBi slope, split
+// partial): range-, alignment- and (stores) write-checked; a faulting load yields zeros, a faulting store is
+// dropped, so the run goes on to report what else is wrong.
+void global_load(void const* global_src, void* value, int bytes, Site site);
+void global_store(void* global_dst, void const* value, int bytes, Site site);
 // red.global.add.f32: an atomic fp32 add into global memory (for the backward's dQ accumulation).
 void red_add_f32(float* global_dst, float value, Site site);
 // Records the kernel source location of the thread's latest policy call (for messages).

@@ -25,6 +25,7 @@
 //   clear_smem(tensor)                    zero-fill of a shared-memory partition with plain stores
 //   atomic_add(float* dst, float v)       red.global.add.f32 (atomicAdd, result unused): fp32 accumulation into
 //                                         global memory from many CTAs, e.g. the backward's dQ (order unspecified)
+//   load_global(p), store_global(p, v)    plain scalar global accesses (global_memory.h)
 #pragma once
 
 #include <type_traits>
@@ -40,9 +41,11 @@
 #include <cutlass/numeric_conversion.h>
 #endif
 
+#include "global_memory.h"
+
 namespace flash_ext {
 
-struct Sm80Arch {
+struct Sm80Arch : PlainGlobalMemory {
   template <class Element>
   using Mma = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                  cute::SM80_16x8x16_F32BF16BF16F32_TN>;

@@ -6,6 +6,7 @@
 #include <cute/config.hpp>
 #include <cute/algorithm/functional.hpp>
 
+#include "global_memory.h"
 #include "params.h"
 
 namespace flash_ext {
@@ -19,13 +20,16 @@ struct BlockInfo {
   int k_start;  // first row of this sequence in k/v (varlen), else -1
   int k_row0;   // first key row within the batch entry (KV cache left padding), else 0
 
-  CUTE_HOST_DEVICE BlockInfo(FwdParams const& params, int bidb)
-      : q_start(params.cu_seqlens_q ? params.cu_seqlens_q[bidb] : -1),
-        k_start(params.cu_seqlens_k ? params.cu_seqlens_k[bidb] : -1),
-        k_row0(params.leftpad_k ? params.leftpad_k[bidb] : 0) {
-    seqlen_q = params.cu_seqlens_q ? params.cu_seqlens_q[bidb + 1] - q_start : params.seqlen_q;
-    seqlen_k = params.cu_seqlens_k ? params.cu_seqlens_k[bidb + 1] - k_start : params.seqlen_k;
-    if (params.seqused_k) { seqlen_k = params.seqused_k[bidb]; }
+  // Reads this batch entry's index arrays through the memory policy Mem (global_memory.h; kernels pass their
+  // traits, so that the emulator checks the reads).
+  template <class Mem = PlainGlobalMemory>
+  CUTE_HOST_DEVICE BlockInfo(FwdParams const& params, int bidb, Via<Mem> = {})
+      : q_start(params.cu_seqlens_q ? Mem::load_global(params.cu_seqlens_q + bidb) : -1),
+        k_start(params.cu_seqlens_k ? Mem::load_global(params.cu_seqlens_k + bidb) : -1),
+        k_row0(params.leftpad_k ? Mem::load_global(params.leftpad_k + bidb) : 0) {
+    seqlen_q = params.cu_seqlens_q ? Mem::load_global(params.cu_seqlens_q + bidb + 1) - q_start : params.seqlen_q;
+    seqlen_k = params.cu_seqlens_k ? Mem::load_global(params.cu_seqlens_k + bidb + 1) - k_start : params.seqlen_k;
+    if (params.seqused_k) { seqlen_k = Mem::load_global(params.seqused_k + bidb); }
   }
 
   // Element offsets of this batch entry's first row.
@@ -34,15 +38,18 @@ struct BlockInfo {
   }
   // Element offset of K/V tile n_block (its first key) of this batch entry, without the head offset: the one
   // place that knows about varlen offsets, cache batch indices, left padding and pages.
+  template <class Mem = PlainGlobalMemory>
   CUTE_HOST_DEVICE index_t kv_tile_offset(FwdParams const& params, int bidb, int n_block, int block_n,
                                           index_t batch_stride, index_t row_stride) const {
     int const row = k_row0 + n_block * block_n;
     if (params.block_table != nullptr) {
-      int const page = params.block_table[bidb * params.block_table_batch_stride + row / params.page_size];
+      int const page =
+          Mem::load_global(params.block_table + index_t(bidb) * params.block_table_batch_stride + row / params.page_size);
       return index_t(page) * batch_stride + index_t(row % params.page_size) * row_stride;
     }
     index_t const base = k_start >= 0 ? index_t(k_start) * row_stride
-                                      : index_t(params.kv_batch_idx ? params.kv_batch_idx[bidb] : bidb) * batch_stride;
+                                      : index_t(params.kv_batch_idx ? Mem::load_global(params.kv_batch_idx + bidb) : bidb) *
+                                            batch_stride;
     return base + index_t(row) * row_stride;
   }
   // LSE is (b, h, seqlen_q) for fixed-length batches and (h, total_q) for varlen.

@@ -11,14 +11,16 @@
 #include <cute/config.hpp>
 
 #include "block_info.h"
+#include "global_memory.h"
 #include "grid.h"
 #include "params.h"
 
 namespace flash_ext {
 
 // Columns [col_begin, col_end) of query `row` of sequence bidb, head bidh; the caller with col_begin == 0
-// also writes the row's LSE.
-template <class Element>
+// also writes the row's LSE.  Partials are read, and O and LSE written, through the memory policy Mem
+// (global_memory.h), so that the emulator checks every access.
+template <class Element, class Mem = PlainGlobalMemory>
 CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, int bidb, int bidh, int row,
                                   int col_begin, int col_end) {
   index_t const r = binfo.accum_row(p, bidb, row);
@@ -27,46 +29,47 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
   float max_lse = -INFINITY;
   bool nan = false;
   for (int s = 0; s < p.num_splits; ++s) {
-    float const l = lse_s[s * split_stride];
+    float const l = Mem::load_global(lse_s + s * split_stride);
     nan = nan || l != l;
     max_lse = fmaxf(max_lse, l);
   }
   Element* o = static_cast<Element*>(p.o_ptr) + binfo.q_offset(p.o_batch_stride, p.o_row_stride, bidb) +
                index_t(row) * p.o_row_stride + index_t(bidh) * p.o_head_stride;
+  float* const lse_out = p.softmax_lse_ptr + binfo.lse_offset(p, bidb, bidh) + row;
   if (nan) {
-    for (int c = col_begin; c < col_end; ++c) { o[c] = Element(NAN); }
-    if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = NAN; }
+    for (int c = col_begin; c < col_end; ++c) { Mem::store_global(o + c, Element(NAN)); }
+    if (col_begin == 0) { Mem::store_global(lse_out, NAN); }
     return;
   }
   if (max_lse == -INFINITY) {
-    for (int c = col_begin; c < col_end; ++c) { o[c] = Element(0.f); }
-    if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = INFINITY; }
+    for (int c = col_begin; c < col_end; ++c) { Mem::store_global(o + c, Element(0.f)); }
+    if (col_begin == 0) { Mem::store_global(lse_out, INFINITY); }
     return;
   }
   float sum = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) { sum += expf(lse_s[s * split_stride] - max_lse); }
+  for (int s = 0; s < p.num_splits; ++s) { sum += expf(Mem::load_global(lse_s + s * split_stride) - max_lse); }
   float const lse = max_lse + logf(sum);
-  if (col_begin == 0) { p.softmax_lse_ptr[binfo.lse_offset(p, bidb, bidh) + row] = lse; }
+  if (col_begin == 0) { Mem::store_global(lse_out, lse); }
   float const* o_s = p.oaccum_ptr + (index_t(bidh) * p.accum_rows + r) * p.d;
   for (int c = col_begin; c < col_end; ++c) {
     float acc = 0.f;
     for (int s = 0; s < p.num_splits; ++s) {
-      acc += expf(lse_s[s * split_stride] - lse) * o_s[s * split_stride * p.d + c];
+      acc += expf(Mem::load_global(lse_s + s * split_stride) - lse) * Mem::load_global(o_s + s * split_stride * p.d + c);
     }
-    o[c] = Element(acc);
+    Mem::store_global(o + c, Element(acc));
   }
 }
 
 // Combine thread t of (batch bidb, head bidh) merges column group t % groups of query row t / groups
 // (grid.h): the per-thread body of the CUDA combine kernel, also run by the warp emulator.
-template <class Element>
+template <class Element, class Mem = PlainGlobalMemory>
 CUTE_HOST_DEVICE void combine_thread(FwdParams const& p, int bidb, int bidh, int64_t t) {
   int const groups = int(combine_col_groups(p.d));
   int const row = int(t / groups);
   int const col = int(t % groups) * kCombineCols;
-  BlockInfo const binfo(p, bidb);
+  BlockInfo const binfo(p, bidb, via<Mem>);
   if (row >= binfo.seqlen_q) { return; }
-  combine_row<Element>(p, binfo, bidb, bidh, row, col, col + kCombineCols < p.d ? col + kCombineCols : p.d);
+  combine_row<Element, Mem>(p, binfo, bidb, bidh, row, col, col + kCombineCols < p.d ? col + kCombineCols : p.d);
 }
 
 }  // namespace flash_ext

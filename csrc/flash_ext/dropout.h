@@ -32,6 +32,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "global_memory.h"
 #include "params.h"
 #include "philox.h"
 
@@ -42,10 +43,11 @@ struct PhiloxSeedOffset {
 };
 
 // The (seed, offset) this launch uses (params.h: values, or read through pointers under graph capture or
-// from an rng_state input).
+// from an rng_state input), the pointers read through the memory policy Mem (global_memory.h).
+template <class Mem = PlainGlobalMemory>
 CUTE_HOST_DEVICE PhiloxSeedOffset dropout_seed_offset(FwdParams const& p) {
-  uint64_t const seed = p.rng_seed_ptr ? uint64_t(*p.rng_seed_ptr) : p.rng_seed;
-  uint64_t const offset = (p.rng_offset_ptr ? uint64_t(*p.rng_offset_ptr) : 0) + p.rng_offset;
+  uint64_t const seed = p.rng_seed_ptr ? uint64_t(Mem::load_global(p.rng_seed_ptr)) : p.rng_seed;
+  uint64_t const offset = (p.rng_offset_ptr ? uint64_t(Mem::load_global(p.rng_offset_ptr)) : 0) + p.rng_offset;
   return {seed, offset};
 }
 

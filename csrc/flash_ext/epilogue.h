@@ -36,18 +36,18 @@ CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& bi
     int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
     if (row >= binfo.seqlen_q) { continue; }
     index_t const r = split_base + binfo.accum_row(params, bidb, row);
-    if (get<1>(taccOcO(i, 0)) == 0) { params.lseaccum_ptr[r] = lse(i); }
+    if (get<1>(taccOcO(i, 0)) == 0) { Traits::store_global(params.lseaccum_ptr + r, lse(i)); }
     float* const orow = params.oaccum_ptr + r * params.d;
     // A full head dim stores without per-column predicates: 2 x kHeadDim / 8 of them per thread would
     // otherwise be live at once next to the accumulator (the head-dim-256 kernels spilled for it).
     if (params.d == kHeadDim) {
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(acc_o_rc); ++j) { orow[get<1>(taccOcO(i, j))] = acc_o_rc(i, j); }
+      for (int j = 0; j < size<1>(acc_o_rc); ++j) { Traits::store_global(orow + get<1>(taccOcO(i, j)), acc_o_rc(i, j)); }
     } else {
       CUTE_UNROLL
       for (int j = 0; j < size<1>(acc_o_rc); ++j) {
         int const col = get<1>(taccOcO(i, j));
-        if (col < params.d) { orow[col] = acc_o_rc(i, j); }
+        if (col < params.d) { Traits::store_global(orow + col, acc_o_rc(i, j)); }
       }
     }
   }
@@ -80,15 +80,14 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
   // LSE: (b, h, seqlen_q) or, varlen, (h, total_q) fp32.
-  Tensor mLSE = make_tensor(make_gmem_ptr(params.softmax_lse_ptr + binfo.lse_offset(params, bidb, bidh)),
-                            make_shape(binfo.seqlen_q));                                   // (SEQ_Q)
+  float* const lse_row0 = params.softmax_lse_ptr + binfo.lse_offset(params, bidb, bidh);
   Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});                  // (BLK_M,HEAD_DIM) -> (m,k)
   Tensor taccOcO = acc_rowcol<Traits::kAccValCols>(thr_mma.partition_C(cO));               // (ROWS,COLS) -> (m,k)
   CUTE_STATIC_ASSERT_V(size<0>(taccOcO) == size(lse));
   CUTE_UNROLL
   for (int i = 0; i < size<0>(taccOcO); ++i) {
     int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
-    if (get<1>(taccOcO(i, 0)) == 0 && row < binfo.seqlen_q) { mLSE(row) = lse(i); }
+    if (get<1>(taccOcO(i, 0)) == 0 && row < binfo.seqlen_q) { Traits::store_global(lse_row0 + row, lse(i)); }
   }
 
   // sO was written in the MMA's thread layout and is read back in the copy's layout.

@@ -76,7 +76,7 @@ CUTE_HOST_DEVICE void write_dk_dv(BwdParams const& params, BlockInfo const& binf
 
   auto tile = [&](void* base, index_t batch_stride, index_t row_stride, index_t head_stride) {
     Element* const ptr = static_cast<Element*>(base) + head_stride * bidh_kv +
-                         binfo.kv_tile_offset(params, bidb, n_block, kBlockN, batch_stride, row_stride);
+                         binfo.kv_tile_offset<Traits>(params, bidb, n_block, kBlockN, batch_stride, row_stride);
     return make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                                        make_stride(row_stride, _1{})));    // (BLK_N,HEAD_DIM)
   };

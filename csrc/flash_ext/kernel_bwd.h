@@ -71,7 +71,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kQBuffers = Traits::kDoubleBufferQ ? 2 : 1;
 
-  BlockInfo const binfo(params, bidb);
+  BlockInfo const binfo(params, bidb, via<Traits>);
   if (n_block * kBlockN >= binfo.seqlen_k) { return; }  // no key of this sequence here: no dK/dV row to write
   Window<Flags> const window(params, flags);
   int const m_min = m_block_min<kBlockM, kBlockN>(binfo, window, n_block);
@@ -122,9 +122,9 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
   // Global memory: this CTA's K and V tiles, and (per iteration) a Q and a dO tile of some query head.
   Element const* const k_head = static_cast<Element const*>(params.k_ptr) + params.k_head_stride * bidh_kv;
   Element const* const v_head = static_cast<Element const*>(params.v_ptr) + params.v_head_stride * bidh_kv;
-  Tensor gK = make_tensor(make_gmem_ptr(k_head + binfo.kv_tile_offset(params, bidb, n_block, kBlockN, params.k_batch_stride, params.k_row_stride)),
+  Tensor gK = make_tensor(make_gmem_ptr(k_head + binfo.kv_tile_offset<Traits>(params, bidb, n_block, kBlockN, params.k_batch_stride, params.k_row_stride)),
                           make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(params.k_row_stride, _1{})));  // (BLK_N,HEAD_DIM)
-  Tensor gV = make_tensor(make_gmem_ptr(v_head + binfo.kv_tile_offset(params, bidb, n_block, kBlockN, params.v_batch_stride, params.v_row_stride)),
+  Tensor gV = make_tensor(make_gmem_ptr(v_head + binfo.kv_tile_offset<Traits>(params, bidb, n_block, kBlockN, params.v_batch_stride, params.v_row_stride)),
                           make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(params.v_row_stride, _1{})));  // (BLK_N,HEAD_DIM)
   Element const* const q_seq = static_cast<Element const*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb);
   Element const* const do_seq = static_cast<Element const*>(params.do_ptr) + binfo.q_offset(params.do_batch_stride, params.do_row_stride, bidb);
@@ -263,9 +263,9 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     for (int i = 0; i < kNRows; ++i) {
       int const r = get<0>(tScS(i, 0));
       bool const in = flags.even_mn || r < binfo.seqlen_q - row0;
-      float const lse = in ? params.softmax_lse_ptr[row_stats + r] : INFINITY;
+      float const lse = in ? Traits::load_global(params.softmax_lse_ptr + row_stats + r) : INFINITY;
       lse_log2(i) = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-      dsum(i) = in ? params.softmax_d_ptr[row_stats + r] : 0.f;
+      dsum(i) = in ? Traits::load_global(params.softmax_d_ptr + row_stats + r) : 0.f;
     }
 
     // dP = dO V^T, then S = Q K^T (dP first: the softcap derivative is folded into it while S is at hand).
@@ -291,7 +291,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     DropoutBits<Traits, AccSLayout> keep;
     if (flags.dropout) {
       // Rebuilt per tile from the parameters (constant bank) rather than kept live across the walk.
-      DropoutRng const rng = DropoutRng::make(dropout_seed_offset(params), bidb, bidh, params.h,
+      DropoutRng const rng = DropoutRng::make(dropout_seed_offset<Traits>(params), bidb, bidh, params.h,
                                               params.dropout_threshold);
       // One group at a time where a thread's bits fit one word (the GPU tiles): see dropout_keep_bits.
       constexpr bool kRolled = DropoutBits<Traits, AccSLayout>::kWords == 1;
@@ -325,7 +325,8 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     // The forward's ALiBi and mask, then P = exp(score - LSE) (one FFMA + EX2 per score on the GPU).  Masked
     // scores are -inf and give P = 0 exactly.
     float const alibi_slope =
-        flags.alibi ? params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.score_scale : 0.f;
+        flags.alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) / params.score_scale
+                    : 0.f;
     ScoreMask<Flags> const mask{binfo, window, alibi_slope};
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);

@@ -40,12 +40,12 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   // The (seed, offset) this launch used, for the backward: written once, before any CTA can exit early.
   if (flags.dropout && params.rng_state_out != nullptr && tidx == 0 && bidb == 0 && bidh == 0 && m_block == 0 &&
       n_split == 0) {
-    PhiloxSeedOffset const so = dropout_seed_offset(params);
-    params.rng_state_out[0] = int64_t(so.seed);
-    params.rng_state_out[1] = int64_t(so.offset);
+    PhiloxSeedOffset const so = dropout_seed_offset<Traits>(params);
+    Traits::store_global(params.rng_state_out, int64_t(so.seed));
+    Traits::store_global(params.rng_state_out + 1, int64_t(so.offset));
   }
 
-  BlockInfo const binfo(params, bidb);
+  BlockInfo const binfo(params, bidb, via<Traits>);
   if (m_block * kBlockM >= binfo.seqlen_q) { return; }
   Window<Flags> const window(params, flags);
   int n_min = n_block_min<kBlockM, kBlockN>(binfo, window, m_block);
@@ -95,7 +95,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Element const* const k_head = static_cast<Element const*>(params.k_ptr) + params.k_head_stride * bidh_kv;
   Element const* const v_head = static_cast<Element const*>(params.v_ptr) + params.v_head_stride * bidh_kv;
   auto kv_tile = [&](Element const* head_base, index_t batch_stride, index_t row_stride, int n) {
-    Element const* ptr = head_base + binfo.kv_tile_offset(params, bidb, n, kBlockN, batch_stride, row_stride);
+    Element const* ptr = head_base + binfo.kv_tile_offset<Traits>(params, bidb, n, kBlockN, batch_stride, row_stride);
     Tensor gKV = make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                                              make_stride(row_stride, _1{})));  // (BLK_N,HEAD_DIM)
     return gmem_thr_copy_QKV.partition_S(gKV);                                                // (CPY,CPY_N,CPY_K)
@@ -135,7 +135,8 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
 
   float alibi_slope = 0.f;
   if (flags.alibi) {
-    alibi_slope = params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.score_scale;
+    alibi_slope =
+        Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) / params.score_scale;
   }
   ScoreMask<Flags> const mask{binfo, window, alibi_slope};
   using AccSLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
@@ -190,7 +191,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     if (flags.dropout) {
       // The mask's per-(batch, head) constants are rebuilt here from the kernel parameters (constant bank)
       // rather than kept live across the loop: five registers the hd 128 kernel does not have.
-      DropoutRng const rng = DropoutRng::make(dropout_seed_offset(params), bidb, bidh, params.h,
+      DropoutRng const rng = DropoutRng::make(dropout_seed_offset<Traits>(params), bidb, bidh, params.h,
                                               params.dropout_threshold);
       apply_dropout_bits<Traits>(
           acc_s, dropout_keep_bits<Traits, AccSLayout>(tScS_acc, rng, row0, n_block * kBlockN));

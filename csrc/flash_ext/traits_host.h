@@ -22,6 +22,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "gemm.h"
+#include "global_memory.h"
 #include "host_isa.h"
 
 namespace flash_ext {
@@ -259,7 +260,7 @@ struct TileGemm<HostTiledMma<T>> : std::true_type {
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, class Element_>
-struct HostTraits {
+struct HostTraits : PlainGlobalMemory {
   using Element = Element_;
   using ElementAccum = float;
   // P stays fp32: the micro-kernels take fp32 operands anyway (bf16 dot-product levels round it themselves).

@@ -146,7 +146,8 @@ emu::GlobalRange range_of(at::Tensor const& t, bool writable, char const* name) 
 }
 
 // The emulated Sm80 launch: the CUDA dispatcher's kernels on emulated warps, CTAs over at::parallel_for.  The
-// kernel reads q/k/v and writes out (and the split accumulators); any finding fails the call with its report.
+// kernel reads q/k/v (and the index arrays, ALiBi slopes, RNG state) and writes out, LSE (and the split
+// accumulators); any finding fails the call with its report.
 void launch_emulated(FwdParams const& params, KernelInputs const& in, at::Tensor const& out,
                      std::tuple<at::Tensor, at::Tensor> const& accum, char const* op) {
   emu::EmuLaunch run;
@@ -156,13 +157,23 @@ void launch_emulated(FwdParams const& params, KernelInputs const& in, at::Tensor
     run.globals.push_back(range_of(std::get<0>(accum), true, "split partials"));
     run.globals.push_back(range_of(std::get<1>(accum), true, "split partial LSE"));
   }
+  emu::add_param_ranges(run, params, /*backward=*/false);  // LSE, index arrays, ALiBi, RNG state
   std::string fault;
   {
     std::lock_guard<std::mutex> lock(g_emulate_mutex);
     fault = g_emulator_test_fault;
   }
-  for (emu::GlobalRange& r : run.globals) {  // test only: the kernel's last 16 bytes of one tensor are off limits
-    if (fault == std::string("narrow:") + r.name && r.end - r.begin >= 16) { r.end -= 16; }
+  if (!fault.empty()) {  // test only: the kernel's last 16 bytes (or fewer) of one tensor are off limits
+    bool named = false;
+    std::string names;
+    for (emu::GlobalRange& r : run.globals) {
+      names += std::string(names.empty() ? "" : ", ") + r.name;
+      if (fault == std::string("narrow:") + r.name) {
+        r.end -= std::min<uintptr_t>(16, r.end - r.begin);
+        named = true;
+      }
+    }
+    TORCH_CHECK(named, op, " (warp emulator): the test fault '", fault, "' names no tensor of this launch (", names, ")");
   }
   run.parallel_for = [](int64_t begin, int64_t end, std::function<void(int64_t, int64_t)> const& body) {
     at::parallel_for(begin, end, /*grain_size=*/1, body);
@@ -221,9 +232,10 @@ bool emulated(at::Tensor const& q) {
 }
 
 std::string set_emulator_test_fault(std::string const& fault) {
-  TORCH_CHECK_VALUE(fault.empty() || fault == "narrow:q" || fault == "narrow:k" || fault == "narrow:v" ||
-                    fault == "narrow:out", "set_emulator_test_fault: got '", fault,
-                    "'; expected '' or 'narrow:' followed by q, k, v or out");
+  TORCH_CHECK_VALUE(fault.empty() || (fault.rfind("narrow:", 0) == 0 && fault.size() > 7),
+                    "set_emulator_test_fault: got '", fault,
+                    "'; expected '' or 'narrow:' followed by the name of a tensor the emulated launch registers "
+                    "(q, k, v, out, softmax_lse, split partials, cu_seqlens_q, block_table, ...)");
   std::lock_guard<std::mutex> lock(g_emulate_mutex);
   std::string previous = g_emulator_test_fault;
   g_emulator_test_fault = fault;

@@ -62,13 +62,14 @@ bool check_clean(bwd_test::Problem<E> const& pb, EmuLaunch const& launch, char c
   Report const& r = launch.report;
   Accuracy const a = accuracy(pb);
   Stats const& s = r.stats;
-  bool const ran = s.ctas > 0 && s.ldmatrix > 0 && s.mma > 0 && s.cp_async > 0 && s.red_global > 0;
+  bool const ran = s.ctas > 0 && s.ldmatrix > 0 && s.mma > 0 && s.cp_async > 0 && s.red_global > 0 && s.global_plain > 0;
   bool const ok = r.total() == 0 && ran && a.ok();
   std::printf("%s %s [%s]: rel err dq %.1e dk %.1e dv %.1e (tol %.0e)%s; %llu CTAs, %llu mma, %llu ldmatrix, "
-              "%llu red.global.add, %llu findings\n",
+              "%llu red.global.add, %llu ld/st.global, %llu findings\n",
               ok ? "ok  " : "FAIL", label, r.kernels.empty() ? "?" : r.kernels.front().c_str(), a.eq, a.ek, a.ev,
               a.tol, a.nan ? " NaN" : "", (unsigned long long)s.ctas, (unsigned long long)s.mma,
-              (unsigned long long)s.ldmatrix, (unsigned long long)s.red_global, (unsigned long long)r.total());
+              (unsigned long long)s.ldmatrix, (unsigned long long)s.red_global, (unsigned long long)s.global_plain,
+              (unsigned long long)r.total());
   if (r.total() != 0 || !ran) { std::printf("%s\n", r.text().c_str()); }
   return ok;
 }

@@ -7,8 +7,9 @@
 //
 // Deliberate errors must be reported, so the test can fail: the barrier between the P/dS stores and their
 // reads by other warps dropped (a race), shared memory one dS tile short of what the kernel addresses, a dQ
-// accumulator the launch declares read-only (the atomic adds' range check), and a wrong LSE input (the
-// gradient comparison must reject the result).
+// accumulator the launch declares read-only (the atomic adds' range check), an LSE tensor one row short of
+// what the kernel reads (the range check of its plain global loads), and a wrong LSE input (the gradient
+// comparison must reject the result).
 //
 // Instantiated: head dim 64, fp16, variants general (non-causal and causal) and dropout (non-causal), the
 // general non-causal variant once more on the barrier-dropping policy, and head dim 256 bf16 general
@@ -37,7 +38,7 @@ using Traits256 = EmuBwd<256, cutlass::bfloat16_t>::Traits;
 
 namespace {
 
-enum class Fault { kNone, kNoPdSBarrier, kShortSmem, kReadOnlyAccum, kWrongLse };
+enum class Fault { kNone, kNoPdSBarrier, kShortSmem, kReadOnlyAccum, kShortLse, kWrongLse };
 
 // The line of kernel_bwd.h whose barrier FaultArch drops (found in the source, so edits elsewhere keep it).
 int g_skip_barrier_line = -1;
@@ -89,6 +90,11 @@ bool run_case(Case const& c, RunFn fn, bool deterministic, Fault fault, char con
   pb.p.deterministic = deterministic;
   EmuLaunch launch;
   set_up(launch, pb, fault != Fault::kReadOnlyAccum);
+  if (fault == Fault::kShortLse) {
+    for (GlobalRange& g : launch.globals) {
+      if (std::strcmp(g.name, "softmax_lse") == 0) { g.end -= sizeof(float); }  // the last row's LSE is out of range
+    }
+  }
   KernelDesc desc;
   KernelDesc const* descp = nullptr;
   if (fault == Fault::kShortSmem) {
@@ -155,6 +161,7 @@ int main() {
   failures += !run_case(gqa, &run<false, 1>, false, Fault::kWrongLse, "fault: LSE off by 0.1 (wrong gradients)");
   failures += !run_case(gqa, &run<false, 1>, false, Fault::kShortSmem, "fault: shared memory one dS tile short");
   failures += !run_case(gqa, &run<false, 1>, false, Fault::kReadOnlyAccum, "fault: dQ accumulator read-only");
+  failures += !run_case(gqa, &run<false, 1>, false, Fault::kShortLse, "fault: softmax_lse one row short");
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -100,6 +100,7 @@ struct Problem {
     };
     add(q.data(), q.size() * 2, false, "q"), add(k.data(), k.size() * 2, false, "k");
     add(v.data(), v.size() * 2, false, "v"), add(o.data(), o.size() * 2, true, "out");
+    add(lse.data(), lse.size() * 4, true, "softmax_lse");
     launch.parallel_for = [](int64_t b0, int64_t e0, std::function<void(int64_t, int64_t)> const& f) { f(b0, e0); };
     std::string const err = fn(params, launch);
     report = launch.report;
