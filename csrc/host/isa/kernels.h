@@ -368,11 +368,209 @@ void gemm_bf16_dot(HostGemmArgs const& g) {
 }
 #endif  // FLASH_EXT_ISA_BF16_DOT
 
+// ---------------------------------------------------------------------------------------------------------
+// Few rows: a decode step fills 1-8 rows of its 16-row tile (one query, or a GQA group).  The blocks above
+// spend a vector on kLanes rows, so with rows <= kLanes / 2 at least half their lanes are idle, and every
+// element of B costs a broadcast load plus a widening pass beforehand.  Here vectors run along B's
+// contiguous dimension instead, and B is widened as it is loaded:
+//   B contiguous along the columns (b_ns == 1: V of P.V): a row of C, kLanes columns per vector, each
+//     A(m, k) broadcast.  Per output the same fused multiply-adds in the same order as the blocks above.
+//   B contiguous along depth (b_ks == 1: K of Q.K^T): dot products of A's rows with B's columns, kLanes
+//     steps of depth per vector, the lanes summed at the end (the same products, summed in another order).
+// Used for fp32 A only (the host's Q and P), and not for the bf16 products of a bf16-dot level, whose
+// rounding to bf16 is part of that level's contract.
+constexpr int kSmallRows = kLanes / 2;
+constexpr int kSmallDepth = 512;  // depth per chunk of the dot products' transposed A
+
+template <int R>
+constexpr int small_col_vectors() {  // accumulators R x CV, plus R broadcasts and one B vector
+  constexpr int cv = (kAccRegs - R) / R;
+  return cv < 1 ? 1 : cv > 8 ? 8 : cv;
+}
+template <int R>
+constexpr int small_keys() {  // accumulators R x NK, plus NK B vectors and one A vector
+  constexpr int nk = (kAccRegs - 4) / R;
+  return nk < 1 ? 1 : nk > 4 ? 4 : nk;
+}
+
+template <HostDType kB>
+FLASH_EXT_INLINE vf load_b(void const* p, int64_t i) {
+  if constexpr (kB == HostDType::kF32) {
+    return vload(static_cast<float const*>(p) + i);
+  } else if constexpr (kB == HostDType::kBF16) {
+    return load_bf16(static_cast<uint16_t const*>(p) + i);
+  } else {
+    return load_f16(static_cast<uint16_t const*>(p) + i);
+  }
+}
+
+// The lanes' sum, halving the vector each step.
+template <class V>
+FLASH_EXT_INLINE float sum_lanes(V v) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  if constexpr (n == 2) {
+    return v[0] + v[1];
+  } else if constexpr (n == 4) {
+    return sum_lanes(__builtin_shufflevector(v, v, 0, 1) + __builtin_shufflevector(v, v, 2, 3));
+  } else if constexpr (n == 8) {
+    return sum_lanes(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  } else {
+    static_assert(n == 16);
+    return sum_lanes(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+}
+
+// C(m, n0 + c) for m < R and c < CV * kLanes, with B(n, k) = b[n + k * b_ks].  C's rows are strided, so
+// they pass through a small row buffer on the way in and out (R * CV * kLanes values per depth-long run).
+template <int R, int CV, HostDType kB>
+FLASH_EXT_INLINE void small_rows_block(HostGemmArgs const& g, int n0) {
+  constexpr int kCols = CV * kLanes;
+  float const* a = static_cast<float const*>(g.a);
+  float* c = g.c + int64_t(n0) * g.ldc;
+  alignas(64) float row[kCols];
+  vf acc[R][CV];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+    for (int j = 0; j < kCols; ++j) { row[j] = c[m + j * g.ldc]; }
+#pragma GCC unroll 8
+    for (int v = 0; v < CV; ++v) { acc[m][v] = vload(row + v * kLanes); }
+  }
+  void const* b = offset(g.b, n0, kB);
+  for (int k = 0; k < g.depth; ++k) {
+    vf av[R];
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) { av[m] = vsplat(a[m * g.a_ms + k * g.a_ks]); }
+#pragma GCC unroll 8
+    for (int v = 0; v < CV; ++v) {
+      vf const bv = load_b<kB>(b, int64_t(k) * g.b_ks + v * kLanes);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) { acc[m][v] = vfma(av[m], bv, acc[m][v]); }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 8
+    for (int v = 0; v < CV; ++v) { vstore(row + v * kLanes, acc[m][v]); }
+    for (int j = 0; j < kCols; ++j) { c[m + j * g.ldc] = row[j]; }
+  }
+}
+
+// Columns [n0, n_end) of C, n_end - n0 a multiple of kLanes: blocks of CV vectors, then single vectors
+// (not every narrower width: each is another instantiation per row count and type, i.e. compile time).
+template <int R, int CV, HostDType kB>
+void small_rows_cols(HostGemmArgs const& g, int n0, int n_end) {
+  int n = n0;
+  for (; n + CV * kLanes <= n_end; n += CV * kLanes) { small_rows_block<R, CV, kB>(g, n); }
+  if constexpr (CV > 1) {
+    if (n < n_end) { small_rows_cols<R, 1, kB>(g, n, n_end); }
+  }
+}
+
+// C(m, n0 + j) += sum_k A(m, k0 + k) * B(n0 + j, k0 + k) for m < R, j < NK, k < depth (a multiple of
+// kLanes), with A's rows transposed into at (at[m * depth + k]) and B(n, k) = b[n * b_ns + k].
+template <int R, int NK, HostDType kB>
+FLASH_EXT_INLINE void small_dots_block(HostGemmArgs const& g, float const* at, int n0, int k0, int depth) {
+  vf acc[R][NK];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
+  }
+  void const* b = offset(g.b, int64_t(n0) * g.b_ns + k0, kB);
+  for (int k = 0; k < depth; k += kLanes) {
+    vf bv[NK];
+#pragma GCC unroll 4
+    for (int j = 0; j < NK; ++j) { bv[j] = load_b<kB>(b, int64_t(j) * g.b_ns + k); }
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      vf const av = vload(at + m * depth + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NK; ++j) { acc[m][j] = vfma(av, bv[j], acc[m][j]); }
+    }
+  }
+  float* const c = g.c + int64_t(n0) * g.ldc;  // locals, as in small_rows_block
+  int64_t const ldc = g.ldc;
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NK; ++j) { c[m + j * ldc] += sum_lanes(acc[m][j]); }
+  }
+}
+
+template <int R, int NK, HostDType kB>
+void small_dots_cols(HostGemmArgs const& g, float const* at, int n0, int k0, int depth) {
+  int n = n0;
+  for (; n + NK <= g.cols; n += NK) { small_dots_block<R, NK, kB>(g, at, n, k0, depth); }
+  if constexpr (NK > 1) {  // then key by key, as in small_rows_cols
+    if (n < g.cols) { small_dots_cols<R, 1, kB>(g, at, n, k0, depth); }
+  }
+}
+
+void gemm_blocks(HostGemmArgs const& g);
+
+template <int R, HostDType kB>
+void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
+  if (cols_contiguous) {
+    int const n_vec = g.cols / kLanes * kLanes;
+    small_rows_cols<R, small_col_vectors<R>(), kB>(g, 0, n_vec);
+    if (n_vec < g.cols) {  // the last few columns, by the blocks
+      HostGemmArgs rest = g;
+      rest.c += int64_t(n_vec) * g.ldc;
+      rest.b = offset(g.b, n_vec, kB);
+      rest.cols = g.cols - n_vec;
+      gemm_blocks(rest);
+    }
+    return;
+  }
+  float const* a = static_cast<float const*>(g.a);
+  alignas(64) float at[R * kSmallDepth];
+  for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth) {
+    int const depth = g.depth - k0 < kSmallDepth ? g.depth - k0 : kSmallDepth;
+    for (int m = 0; m < R; ++m) {
+      for (int k = 0; k < depth; ++k) { at[m * depth + k] = a[m * g.a_ms + int64_t(k0 + k) * g.a_ks]; }
+    }
+    small_dots_cols<R, small_keys<R>(), kB>(g, at, 0, k0, depth);
+  }
+}
+
+template <int R>
+void small_gemm_rows(HostGemmArgs const& g, bool cols_contiguous) {
+  if constexpr (R < kSmallRows) {
+    if (g.rows > R) { return small_gemm_rows<R + 1>(g, cols_contiguous); }
+  }
+  switch (g.b_type) {
+    case HostDType::kF32: return small_gemm<R, HostDType::kF32>(g, cols_contiguous);
+    case HostDType::kBF16:
+      // A bf16-dot level never gets here (gemm_few_rows declines bf16 B there): not instantiated, for
+      // compile time.
+      if constexpr (FLASH_EXT_ISA_BF16_DOT) { return gemm_blocks(g); }
+      return small_gemm<R, HostDType::kBF16>(g, cols_contiguous);
+    case HostDType::kF16: return small_gemm<R, HostDType::kF16>(g, cols_contiguous);
+  }
+}
+
+// Whether the few-rows path takes the product (and then computes it).
+bool gemm_few_rows(HostGemmArgs const& g) {
+  if (g.rows > kSmallRows || g.a_type != HostDType::kF32) { return false; }
+  if (FLASH_EXT_ISA_BF16_DOT && g.b_type == HostDType::kBF16) { return false; }  // vdpbf16ps's rounding
+  bool const cols_contiguous = g.b_ns == 1 && g.cols >= kLanes;
+  bool const depth_contiguous = g.b_ks == 1 && g.depth % kLanes == 0;
+  if (!cols_contiguous && !depth_contiguous) { return false; }
+  small_gemm_rows<1>(g, cols_contiguous);
+  return true;
+}
+
 void gemm(HostGemmArgs const& g) {
   if (g.rows <= 0 || g.cols <= 0 || g.depth <= 0) { return; }
 #if FLASH_EXT_ISA_BF16_DOT
   if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_dot(g); }
 #endif
+  if (gemm_few_rows(g)) { return; }
+  gemm_blocks(g);
+}
+
+void gemm_blocks(HostGemmArgs const& g) {
   alignas(64) float abuf[kAScratch];
   alignas(64) float bbuf[kBScratch];
   int const rows = (g.rows + kLanes - 1) / kLanes * kLanes;
