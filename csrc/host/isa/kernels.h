@@ -404,21 +404,19 @@ FLASH_EXT_INLINE vf load_b(void const* p, int64_t i) {
   }
 }
 
-// The lanes' sum, halving the vector each step.
+// The lanes' sum, halving the vector each step (lane i + lane i + n/2, ...).  Through an array rather
+// than __builtin_shufflevector, which GCC has only from version 12; the code generated is as fast here.
 template <class V>
 FLASH_EXT_INLINE float sum_lanes(V v) {
   constexpr int n = sizeof(V) / sizeof(float);
-  if constexpr (n == 2) {
-    return v[0] + v[1];
-  } else if constexpr (n == 4) {
-    return sum_lanes(__builtin_shufflevector(v, v, 0, 1) + __builtin_shufflevector(v, v, 2, 3));
-  } else if constexpr (n == 8) {
-    return sum_lanes(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
-  } else {
-    static_assert(n == 16);
-    return sum_lanes(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  float x[n];
+  __builtin_memcpy(x, &v, sizeof(v));
+#pragma GCC unroll 4
+  for (int w = n / 2; w > 0; w /= 2) {
+#pragma GCC unroll 8
+    for (int i = 0; i < w; ++i) { x[i] += x[i + w]; }
   }
+  return x[0];
 }
 
 // C(m, n0 + c) for m < R and c < CV * kLanes, with B(n, k) = b[n + k * b_ks].  C's rows are strided, so
