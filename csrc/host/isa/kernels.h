@@ -57,10 +57,22 @@ FLASH_EXT_INLINE vh to_bf16_bits(vf x) {
   return __builtin_convertvector(is_nan ? vu{} + 0x7fffu : rounded, vh);
 }
 
+// kLanes elements of type kB from p + i, as fp32; load_as_f32 is the same with the type known at run time.
+template <HostDType kB>
+FLASH_EXT_INLINE vf load_b(void const* p, int64_t i) {
+  if constexpr (kB == HostDType::kF32) {
+    return vload(static_cast<float const*>(p) + i);
+  } else if constexpr (kB == HostDType::kBF16) {
+    return load_bf16(static_cast<uint16_t const*>(p) + i);
+  } else {
+    return load_f16(static_cast<uint16_t const*>(p) + i);
+  }
+}
+
 FLASH_EXT_INLINE vf load_as_f32(void const* p, HostDType t) {
-  if (t == HostDType::kF32) { return vload(static_cast<float const*>(p)); }
-  if (t == HostDType::kBF16) { return load_bf16(static_cast<uint16_t const*>(p)); }
-  return load_f16(static_cast<uint16_t const*>(p));
+  if (t == HostDType::kF32) { return load_b<HostDType::kF32>(p, 0); }
+  if (t == HostDType::kBF16) { return load_b<HostDType::kBF16>(p, 0); }
+  return load_b<HostDType::kF16>(p, 0);
 }
 
 FLASH_EXT_INLINE float scalar_as_f32(void const* p, int64_t i, HostDType t) {
@@ -391,17 +403,6 @@ template <int R>
 constexpr int small_keys() {  // accumulators R x NK, plus NK B vectors and one A vector
   constexpr int nk = (kAccRegs - 4) / R;
   return nk < 1 ? 1 : nk > 4 ? 4 : nk;
-}
-
-template <HostDType kB>
-FLASH_EXT_INLINE vf load_b(void const* p, int64_t i) {
-  if constexpr (kB == HostDType::kF32) {
-    return vload(static_cast<float const*>(p) + i);
-  } else if constexpr (kB == HostDType::kBF16) {
-    return load_bf16(static_cast<uint16_t const*>(p) + i);
-  } else {
-    return load_f16(static_cast<uint16_t const*>(p) + i);
-  }
 }
 
 // The lanes' sum, halving the vector each step (lane i + lane i + n/2, ...).  Through an array rather
