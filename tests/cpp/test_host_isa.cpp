@@ -67,6 +67,9 @@ struct GemmCase {
   int rows, cols, depth;
   bool a_col_major;  // else row-major (a_ms = depth)
   bool b_k_contiguous;
+  // B's rows a whole row of heads apart (a K/V tile read in place from a (seq, heads, dim) tensor), not just
+  // padded.
+  bool b_wide = false;
 };
 
 void check_gemm(HostKernels const& k, GemmCase const& gc) {
@@ -74,8 +77,8 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   int64_t const lda_pad = 3;  // strides that are not the dense ones
   int64_t const a_ms = gc.a_col_major ? 1 : gc.depth + lda_pad;
   int64_t const a_ks = gc.a_col_major ? rows_alloc + lda_pad : 1;
-  int64_t const b_ns = gc.b_k_contiguous ? gc.depth + 2 : 1;
-  int64_t const b_ks = gc.b_k_contiguous ? 1 : gc.cols + 5;
+  int64_t const b_ns = gc.b_k_contiguous ? (gc.b_wide ? 3 * gc.depth + 8 : gc.depth + 2) : 1;
+  int64_t const b_ks = gc.b_k_contiguous ? 1 : (gc.b_wide ? 4 * gc.cols + 8 : gc.cols + 5);
   Operand const a = make_operand(gc.a_type, a_ms * (rows_alloc - 1) + a_ks * (gc.depth - 1) + 1);
   Operand const b = make_operand(gc.b_type, b_ns * (gc.cols - 1) + b_ks * (gc.depth - 1) + 1);
   int64_t const ldc = rows_alloc + 8;
@@ -112,7 +115,7 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
         type_name(gc.b_type), gc.rows, gc.cols, gc.depth);
   // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
   CHECK(max_err < 1e-5, "%s gemm a=%s%s b=%s%s %dx%dx%d: relative error %.3g", k.name, type_name(gc.a_type),
-        gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), gc.b_k_contiguous ? "(k-contig)" : "(n-contig)",
+        gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)") : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)"),
         gc.rows, gc.cols, gc.depth, max_err);
 }
 
@@ -127,8 +130,8 @@ void check_gemms(HostKernels const& k) {
   for (HostDType at : types) {
     for (HostDType bt : types) {
       for (auto const& s : shapes) {
-        for (int layout = 0; layout < 4; ++layout) {
-          check_gemm(k, GemmCase{at, bt, s[0], s[1], s[2], (layout & 1) == 0, (layout & 2) == 0});
+        for (int layout = 0; layout < 8; ++layout) {
+          check_gemm(k, GemmCase{at, bt, s[0], s[1], s[2], (layout & 1) == 0, (layout & 2) == 0, (layout & 4) != 0});
           ++n;
         }
       }
