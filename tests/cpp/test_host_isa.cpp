@@ -67,8 +67,8 @@ struct GemmCase {
   int rows, cols, depth;
   bool a_col_major;  // else row-major (a_ms = depth)
   bool b_k_contiguous;
-  // B's rows a whole row of heads apart (a K/V tile read in place from a (seq, heads, dim) tensor), not just
-  // padded.
+  // B's rows several rows apart, not just padded (as in a (seq, heads, dim) tensor): the widened span then
+  // outgrows the scratch at the larger shapes, so the GEMM's chunking is exercised too.
   bool b_wide = false;
 };
 
@@ -114,9 +114,10 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   CHECK(untouched_ok, "%s gemm a=%s b=%s %dx%dx%d: wrote outside its columns/rows", k.name, type_name(gc.a_type),
         type_name(gc.b_type), gc.rows, gc.cols, gc.depth);
   // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
+  char const* const b_layout = gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)")
+                                                 : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)");
   CHECK(max_err < 1e-5, "%s gemm a=%s%s b=%s%s %dx%dx%d: relative error %.3g", k.name, type_name(gc.a_type),
-        gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)") : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)"),
-        gc.rows, gc.cols, gc.depth, max_err);
+        gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), b_layout, gc.rows, gc.cols, gc.depth, max_err);
 }
 
 void check_gemms(HostKernels const& k) {
