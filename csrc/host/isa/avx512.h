@@ -32,6 +32,11 @@ inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
 inline __attribute__((always_inline)) vf load_f16(uint16_t const* p) {
   return _mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
 }
+#define FLASH_EXT_ISA_HAS_SCALEF 1
+inline __attribute__((always_inline)) vf vround_even(vf x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline __attribute__((always_inline)) vf vscalef(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 inline __attribute__((always_inline)) void store_f16(uint16_t* p, vf x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtps_ph(__mmask16(0xffff), x, _MM_FROUND_TO_NEAREST_INT));
 }

@@ -13,8 +13,14 @@
 //   load_f16, store_f16  kLanes fp16 values <-> fp32 vector (F16C where the level has it)
 //   kBf16Dot             true where the level has vdpbf16ps; then also
 //   vdot_bf16(acc, a, b) acc + a.lo * b.lo + a.hi * b.hi per lane, a and b holding bf16 pairs in uint32 lanes
+//   FLASH_EXT_ISA_HAS_BF16_PAIRS  optional, 1 where the level rounds fp32 to bf16 by instruction; then also
+//   vbf16_pairs(e, o)    lane l: e[l] and o[l] rounded to nearest even bf16, o's in the high half (else
+//                        kernels.h's own, by bit arithmetic)
 //   vmul_even_u32(a, b)  the 64-bit products of the even uint32 lanes, as (low, high) lane pairs (pmuludq)
 //   vmovemask(m)         bit l set iff lane l of the comparison result m is true
+//   FLASH_EXT_ISA_HAS_SCALEF  1 where the level has round-to-integer and scale-by-2^n instructions; then also
+//   vround_even(x)       x rounded to the nearest integer, ties to even
+//   vscalef(p, n)        p * 2^n for integral n (NaN in, NaN out)
 // Everything here has internal linkage (anonymous namespace): each level keeps its own copy, and the one
 // shared template used (philox.h's rounds) is instantiated only for a type of this namespace (host_isa.h
 // says why).  No standard-library function is called either.
@@ -35,6 +41,13 @@
 namespace flash_ext {
 namespace {
 
+#ifndef FLASH_EXT_ISA_HAS_BF16_PAIRS
+#define FLASH_EXT_ISA_HAS_BF16_PAIRS 0
+#endif
+#ifndef FLASH_EXT_ISA_HAS_SCALEF
+#define FLASH_EXT_ISA_HAS_SCALEF 0
+#endif
+
 static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16);
 static_assert(sizeof(vf) == 4 * kLanes && sizeof(vi) == 4 * kLanes && sizeof(vh) == 2 * kLanes);
 
@@ -49,13 +62,16 @@ FLASH_EXT_INLINE void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)
 FLASH_EXT_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }  // MaxOp's rule, lane by lane
 
 
-// Round to nearest even; NaN becomes 0x7fff (cutlass::bfloat16_t's rule), infinities stay.
-FLASH_EXT_INLINE vh to_bf16_bits(vf x) {
+// Round to nearest even; NaN becomes 0x7fff (cutlass::bfloat16_t's rule), infinities stay.  The bf16 bits
+// in the low half of each 32-bit lane (the high half 0): the bf16 pairs below are assembled in 32-bit lanes,
+// with no narrowing to 16 bits and widening back.
+FLASH_EXT_INLINE vu to_bf16_lanes(vf x) {
   vu const bits = (vu)x;
   vu const rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   vi const is_nan = (vi)((bits & 0x7fffffffu) > 0x7f800000u);
-  return __builtin_convertvector(is_nan ? vu{} + 0x7fffu : rounded, vh);
+  return is_nan ? vu{} + 0x7fffu : rounded;
 }
+FLASH_EXT_INLINE vh to_bf16_bits(vf x) { return __builtin_convertvector(to_bf16_lanes(x), vh); }
 
 // kLanes elements of type kB from p + i, as fp32; load_as_f32 is the same with the type known at run time.
 template <HostDType kB>
@@ -91,26 +107,43 @@ FLASH_EXT_INLINE void const* offset(void const* p, int64_t i, HostDType t) {
 
 // ---------------------------------------------------------------------------------------------------------
 // exp2, kLanes at a time, for x <= 127 (the softmax only exponentiates differences to a running maximum,
-// x <= 0 up to rounding): the scalar host_exp2 of traits_host.h — range reduction x = n + f, f in [-0.5,
-// 0.5], and the same degree-6 polynomial for 2^f (relative error ~2e-7) — with the rounding done by adding
-// 1.5 * 2^23, whose sum also holds n in its low mantissa bits, ready to shift into the exponent.  Below -126
-// (and -inf) gives exactly 0; NaN stays NaN (whatever its payload).
-FLASH_EXT_INLINE vf vexp2(vf x) {
-  vi const underflow = x < -126.f;
-  vf const xc = underflow ? vsplat(-126.f) : x;
-  vf const t = xc + 12582912.f;     // 1.5 * 2^23 + round(xc): the sum's mantissa ends in n
-  vf const f = xc - (t - 12582912.f);
+// x <= 0 up to rounding): the scalar host_exp2 of traits_host.h — range reduction x = n + f, n = x rounded to
+// nearest even, f in [-0.5, 0.5], and the same degree-6 polynomial for 2^f (relative error ~2e-7).  Below
+// -126 (and -inf) gives exactly 0; NaN stays NaN (whatever its payload).
+FLASH_EXT_INLINE vf exp2_poly(vf f) {
   vf p = vsplat(1.5353362e-4f);
   p = vfma(p, f, vsplat(1.3398874e-3f));
   p = vfma(p, f, vsplat(9.6184665e-3f));
   p = vfma(p, f, vsplat(5.5503385e-2f));
   p = vfma(p, f, vsplat(2.4022650e-1f));
   p = vfma(p, f, vsplat(6.9314718e-1f));
-  p = vfma(p, f, vsplat(1.0f));
+  return vfma(p, f, vsplat(1.0f));
+}
+
+#if FLASH_EXT_ISA_HAS_SCALEF
+// The level rounds and scales by instruction (AVX-512: vrndscaleps, vscalefps): 5 operations fewer than the
+// bit arithmetic below, per element of every score tile.  scalef propagates NaN and is exact for n >= -126
+// (p * 2^n is then a normal number or, for x in [-126, -125.5), the exact subnormal, where the bit
+// arithmetic's exponent field underflows: values below 2^-126 either way).
+FLASH_EXT_INLINE vf vexp2(vf x) {
+  vf const n = vround_even(x);
+  vf const r = vscalef(exp2_poly(x - n), n);
+  return x < -126.f ? vf{} : r;
+}
+#else
+// The rounding is done by adding 1.5 * 2^23, whose sum also holds n in its low mantissa bits, ready to
+// shift into the exponent.
+FLASH_EXT_INLINE vf vexp2(vf x) {
+  vi const underflow = x < -126.f;
+  vf const xc = underflow ? vsplat(-126.f) : x;
+  vf const t = xc + 12582912.f;     // 1.5 * 2^23 + round(xc): the sum's mantissa ends in n
+  vf const f = xc - (t - 12582912.f);
+  vf const p = exp2_poly(f);
   vi const bits = (vi)p + ((vi)t << 23);  // (0x4b400000 + n) << 23 == n << 23 (mod 2^32)
   // A NaN x is returned as it is: its payload bits in t would otherwise be shifted into p's exponent.
   return underflow ? vf{} : (x == x ? (vf)bits : x);
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // GEMM (HostGemmArgs).  Scratch is on the stack and bounded: the operands are processed in chunks of
@@ -248,6 +281,18 @@ FLASH_EXT_INLINE uint32_t bf16_bits_at(void const* p, int64_t i, HostDType t) {
   return bf16_bits_of(scalar_as_f32(p, i, t));
 }
 
+#if !FLASH_EXT_ISA_HAS_BF16_PAIRS
+// Lane l: even[l] and odd[l] rounded to bf16 (to_bf16_lanes), odd's in the high half.
+FLASH_EXT_INLINE vu vbf16_pairs(vf even, vf odd) { return to_bf16_lanes(even) | (to_bf16_lanes(odd) << 16); }
+#endif
+
+// kLanes bf16 values from p, zero-extended into 32-bit lanes.
+FLASH_EXT_INLINE vu bf16_lanes(uint16_t const* p) {
+  vh h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vu);
+}
+
 // A(m0 + r, k0 + 2q + {0, 1}) as one uint32 (low half: the even k) at out[q * RV * kLanes + r]; a missing
 // odd k (depth odd) is 0.
 template <int RV>
@@ -260,17 +305,15 @@ void pack_a_pairs(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* ou
     if (g.a_ms == 1 && g.a_type != HostDType::kF16) {
 #pragma GCC unroll 4
       for (int i = 0; i < RV; ++i) {
-        vh lo, hi{};
         void const* p0 = offset(g.a, base + i * kLanes, g.a_type);
         void const* p1 = offset(g.a, base + g.a_ks + i * kLanes, g.a_type);
+        vu pair;
         if (g.a_type == HostDType::kBF16) {
-          __builtin_memcpy(&lo, p0, sizeof(lo));
-          if (has_odd) { __builtin_memcpy(&hi, p1, sizeof(hi)); }
-        } else {
-          lo = to_bf16_bits(vload(static_cast<float const*>(p0)));
-          if (has_odd) { hi = to_bf16_bits(vload(static_cast<float const*>(p1))); }
+          pair = bf16_lanes(static_cast<uint16_t const*>(p0));
+          if (has_odd) { pair |= bf16_lanes(static_cast<uint16_t const*>(p1)) << 16; }
+        } else {  // fp32 (Q widened, P): rounded in pairs
+          pair = vbf16_pairs(vload(static_cast<float const*>(p0)), has_odd ? vload(static_cast<float const*>(p1)) : vf{});
         }
-        vu const pair = __builtin_convertvector(lo, vu) | (__builtin_convertvector(hi, vu) << 16);
         __builtin_memcpy(out + q * kRows + i * kLanes, &pair, sizeof(pair));
       }
     } else {
@@ -283,13 +326,22 @@ void pack_a_pairs(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* ou
   }
 }
 
-// B(n0 + j, k0 + 2q + {0, 1}) as one uint32 at out[q * ncols + j].
+// B(n0 + j, k0 + 2q + {0, 1}) as one uint32 at out[q * ncols + j].  B contiguous along the columns (V of
+// P.V) interleaves two rows of kLanes columns a vector at a time; the rest goes element by element.
 void pack_b_pairs(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, uint32_t* out) {
   uint16_t const* b = static_cast<uint16_t const*>(g.b);
+  int const vec_cols = g.b_ns == 1 ? ncols / kLanes * kLanes : 0;
   for (int q = 0; q < (depth + 1) / 2; ++q) {
     int const k = k0 + 2 * q;
     bool const has_odd = 2 * q + 1 < depth;
-    for (int j = 0; j < ncols; ++j) {
+    uint16_t const* row = b + n0 + int64_t(k) * g.b_ks;  // used only when g.b_ns == 1
+    for (int j = 0; j < vec_cols; j += kLanes) {
+      vu const lo = bf16_lanes(row + j);
+      vu const hi = has_odd ? bf16_lanes(row + g.b_ks + j) : vu{};
+      vu const pair = lo | (hi << 16);
+      __builtin_memcpy(out + q * ncols + j, &pair, sizeof(pair));
+    }
+    for (int j = vec_cols; j < ncols; ++j) {
       int64_t const at = int64_t(n0 + j) * g.b_ns + int64_t(k) * g.b_ks;
       uint32_t const lo = b[at];
       uint32_t const hi = has_odd ? b[at + g.b_ks] : 0u;
