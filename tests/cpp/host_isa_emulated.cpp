@@ -2,8 +2,9 @@
 // bf16 pairs multiplied as vdpbf16ps does — but built for AVX2, each 16-lane operation done as two 8-lane
 // ones and vdpbf16ps emulated (odd pair element first, then even, each product exact in fp32, as the
 // instruction's definition orders them).  It lets an AVX2-only CPU run the 16-lane blocking, the pair
-// packing and the chunking of the AVX-512 kernels; what it cannot check is the AVX-512 instructions
-// themselves.  Not part of the extension.
+// packing and the chunking of the AVX-512 kernels, and the level's instruction hooks (exp2 by round and
+// scale, pairs by a rounding conversion) as the instructions define them; what it cannot check is the
+// AVX-512 instructions themselves.  Not part of the extension.
 #if defined(__x86_64__)
 #define FLASH_EXT_ISA_TARGET "avx2,fma,f16c"
 #include "isa/target_begin.h"
@@ -89,6 +90,29 @@ inline vf vdot_bf16(vf acc, vu a, vu b) {
   vf const b_even = (vf)(b << 16), b_odd = (vf)(b & 0xffff0000u);
   return vfma(a_even, b_even, vfma(a_odd, b_odd, acc));
 }
+
+// The AVX-512-BF16 level's instruction hooks (kernels.h), so that its code paths run here too.
+// vrndscaleps: round to nearest even, per 8-lane half.
+#define FLASH_EXT_ISA_HAS_SCALEF 1
+inline vf vround_even(vf x) {
+  Halves const h = split(x);
+  return join(_mm256_round_ps(h.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+              _mm256_round_ps(h.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// vscalefps for what vexp2 asks of it: integral n in [-126, 127] (2^n is then a normal float, and the product
+// is rounded once, as scalef's); outside that range vexp2 discards the result, and a NaN n comes with a NaN p.
+inline vf vscalef(vf p, vf n) { return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
+// vcvtne2ps2bf16 + vpermw: each value rounded to nearest even bf16, subnormal inputs as signed zeros (the
+// instruction's DAZ), a NaN quieted; the even element in the low half.
+inline vu bf16_rne_daz(vf x) {
+  vu const bits = (vu)x;
+  vu const mag = bits & 0x7fffffffu;
+  vu const flushed = (mag < 0x00800000u) ? bits & 0x80000000u : bits;
+  vu const rounded = (flushed + 0x7fffu + ((flushed >> 16) & 1u)) >> 16;
+  return (mag > 0x7f800000u) ? (bits >> 16) | 0x40u : rounded;
+}
+#define FLASH_EXT_ISA_HAS_BF16_PAIRS 1
+inline vu vbf16_pairs(vf even, vf odd) { return bf16_rne_daz(even) | (bf16_rne_daz(odd) << 16); }
 
 }  // namespace
 }  // namespace flash_ext
