@@ -14,8 +14,8 @@
 //   kBf16Dot             true where the level has vdpbf16ps; then also
 //   vdot_bf16(acc, a, b) acc + a.lo * b.lo + a.hi * b.hi per lane, a and b holding bf16 pairs in uint32 lanes
 //   FLASH_EXT_ISA_HAS_BF16_PAIRS  optional, 1 where the level rounds fp32 to bf16 by instruction; then also
-//   vbf16_pairs(e, o)    lane l: e[l] and o[l] rounded to nearest even bf16, o's in the high half (else
-//                        kernels.h's own, by bit arithmetic)
+//   vbf16_pairs(e, o)    lane l: e[l] and o[l] rounded to nearest even bf16, o's in the high half; subnormal
+//                        inputs may count as zero, as in vdpbf16ps (else kernels.h's own, by bit arithmetic)
 //   vmul_even_u32(a, b)  the 64-bit products of the even uint32 lanes, as (low, high) lane pairs (pmuludq)
 //   vmovemask(m)         bit l set iff lane l of the comparison result m is true
 //   FLASH_EXT_ISA_HAS_SCALEF  1 where the level has round-to-integer and scale-by-2^n instructions; then also
@@ -292,6 +292,10 @@ FLASH_EXT_INLINE vu bf16_lanes(uint16_t const* p) {
   __builtin_memcpy(&h, p, sizeof(h));
   return __builtin_convertvector(h, vu);
 }
+// Lane l: even[l] in the low half, odd[l] in the high half (0 without an odd row: depth odd).
+FLASH_EXT_INLINE vu bf16_row_pairs(uint16_t const* even, uint16_t const* odd) {
+  return odd ? bf16_lanes(even) | (bf16_lanes(odd) << 16) : bf16_lanes(even);
+}
 
 // A(m0 + r, k0 + 2q + {0, 1}) as one uint32 (low half: the even k) at out[q * RV * kLanes + r]; a missing
 // odd k (depth odd) is 0.
@@ -309,8 +313,7 @@ void pack_a_pairs(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* ou
         void const* p1 = offset(g.a, base + g.a_ks + i * kLanes, g.a_type);
         vu pair;
         if (g.a_type == HostDType::kBF16) {
-          pair = bf16_lanes(static_cast<uint16_t const*>(p0));
-          if (has_odd) { pair |= bf16_lanes(static_cast<uint16_t const*>(p1)) << 16; }
+          pair = bf16_row_pairs(static_cast<uint16_t const*>(p0), has_odd ? static_cast<uint16_t const*>(p1) : nullptr);
         } else {  // fp32 (Q widened, P): rounded in pairs
           pair = vbf16_pairs(vload(static_cast<float const*>(p0)), has_odd ? vload(static_cast<float const*>(p1)) : vf{});
         }
@@ -336,9 +339,7 @@ void pack_b_pairs(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, u
     bool const has_odd = 2 * q + 1 < depth;
     uint16_t const* row = b + n0 + int64_t(k) * g.b_ks;  // used only when g.b_ns == 1
     for (int j = 0; j < vec_cols; j += kLanes) {
-      vu const lo = bf16_lanes(row + j);
-      vu const hi = has_odd ? bf16_lanes(row + g.b_ks + j) : vu{};
-      vu const pair = lo | (hi << 16);
+      vu const pair = bf16_row_pairs(row + j, has_odd ? row + g.b_ks + j : nullptr);
       __builtin_memcpy(out + q * ncols + j, &pair, sizeof(pair));
     }
     for (int j = vec_cols; j < ncols; ++j) {
