@@ -244,8 +244,8 @@ PYBIND11_MODULE(_C, m) {
         "The split-KV heuristic of dispatch.h (a pure function).", py::arg("ctas"), py::arg("processors"),
         py::arg("n_blocks"));
   m.def("set_cpu_isa", &set_cpu_isa,
-        "Test hook: the CPU instruction-set level later calls use ('generic', 'avx2', 'avx512', 'avx512_bf16' or "
-        "'default'); returns the previous one; ValueError when this build or CPU lacks it.", py::arg("name"));
+        "Test hook: the CPU instruction-set level later calls use ('generic', 'avx2', 'avx512', 'avx512_bf16', "
+        "'amx_bf16' or 'default'); returns the previous one; ValueError when this build or CPU lacks it.", py::arg("name"));
   m.def("set_poison_outputs", &ops::set_poison_outputs,
         "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
         py::arg("enable"));

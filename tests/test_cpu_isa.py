@@ -5,8 +5,9 @@ at run time (csrc/flash_ext/host_isa.h).  The rest of the suite runs the level c
 best one, or FLASH_EXT_CPU_ISA); here each level in turn runs a sample of the forward reference grid
 (tests/test_fwd.py's default sample, every dtype, head dim and flag set) and the decode, varlen, KV-cache
 and split-KV cases, against the same float64 reference and pass rule.  A level this CPU lacks is skipped
-with the missing CPU feature named (an AVX2-only machine compiles the AVX-512 levels but cannot run them;
-tests/cpp/test_host_isa.cpp still runs their 16-lane kernel source emulated on AVX2).  Also: the selection
+with the missing CPU feature named (an AVX2-only machine compiles the AVX-512 and AMX levels but cannot run
+them; tests/cpp/test_host_isa.cpp still runs their 16-lane kernel source, and the AMX level's tile GEMM,
+emulated on AVX2).  Also: the selection
 itself — explain() and build_info() report the level in use, and a level or FLASH_EXT_CPU_ISA value that
 cannot run is refused with a ValueError, never run as another level or left to crash.
 """
@@ -26,7 +27,7 @@ import test_fwd
 import test_kvcache as kvcache_tests  # not `test_kvcache`: the test functions below have that name
 import test_varlen as varlen_tests
 
-LEVELS = ["generic", "avx2", "avx512", "avx512_bf16"]
+LEVELS = ["generic", "avx2", "avx512", "avx512_bf16", "amx_bf16"]
 
 
 @pytest.fixture(params=LEVELS)
@@ -125,7 +126,7 @@ def test_env_selects_level() -> None:
     assert r.stdout.split() == ["generic", "ran"]
 
 
-@pytest.mark.parametrize("value", ["avx512_bf16", "sse9"])
+@pytest.mark.parametrize("value", ["avx512_bf16", "amx_bf16", "sse9"])
 def test_env_unusable_level_refused(value: str) -> None:
     why = flash_ext.build_info()["cpu_isas"].get(value, {}).get("unavailable", "unknown")
     if not why:

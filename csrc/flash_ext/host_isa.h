@@ -24,8 +24,9 @@ enum class HostIsa : int {
   kAvx2 = 1,        // AVX2 + FMA + F16C (Haswell, Zen 1 and later), 8 fp32 lanes, 16 registers
   kAvx512 = 2,      // AVX-512 F/BW/DQ/VL (Skylake-SP, Zen 4 and later), 16 fp32 lanes, 32 registers
   kAvx512Bf16 = 3,  // + AVX512_BF16: bf16 GEMMs by vdpbf16ps (Cooper Lake, Sapphire Rapids, Zen 4)
+  kAmxBf16 = 4,     // + AMX-TILE/AMX-BF16: bf16 GEMMs of whole 16 x 16 tiles by tdpbf16ps (Sapphire Rapids)
 };
-inline constexpr int kNumHostIsas = 4;
+inline constexpr int kNumHostIsas = 5;
 
 enum class HostDType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -34,8 +35,8 @@ enum class HostDType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 //   A: A(m, k) = a[m * a_ms + k * a_ks] of type a_type;  B: B(n, k) = b[n * b_ns + k * b_ks] of type b_type.
 // Rows are computed a whole vector at a time: rows up to rows rounded up to a multiple of 16 must exist in
 // A and C (their values there are unspecified afterwards).  Columns >= cols of C are neither read nor written.
-// A level with bf16 dot products (kAvx512Bf16) computes a bf16 x bf16 product with both operands rounded
-// to bf16 (exact for bf16 inputs; the fp32 P of P.V is rounded, as on the GPU); every other case multiplies
+// A level with bf16 dot products (kAvx512Bf16, kAmxBf16) computes a bf16 x bf16 product with both operands
+// rounded to bf16 (exact for bf16 inputs; the fp32 P of P.V is rounded, as on the GPU); every other case multiplies
 // in fp32.
 struct HostGemmArgs {
   float* c;
@@ -83,7 +84,7 @@ struct HostDropoutArgs {
 
 struct HostKernels {
   HostIsa isa;
-  char const* name;  // "generic", "avx2", "avx512", "avx512_bf16"
+  char const* name;  // "generic", "avx2", "avx512", "avx512_bf16", "amx_bf16"
   int lanes;         // fp32 lanes of one vector
   void (*gemm)(HostGemmArgs const&);
   void (*softmax_rescale)(HostSoftmaxArgs const&);
@@ -98,12 +99,14 @@ struct HostKernels {
 // --- Selection (csrc/host/host_isa.cpp) ---
 
 char const* host_isa_name(HostIsa isa);
-// Parses "generic", "avx2", "avx512", "avx512_bf16" (also "avx512bf16", "default" = best supported).
+// Parses "generic", "avx2", "avx512", "avx512_bf16", "amx_bf16" (also "avx512bf16", "amxbf16", "default" =
+// best supported).
 // Returns false for anything else.
 bool host_isa_parse(char const* name, HostIsa* out, bool* is_default);
 // Compiled into this build (x86-64: every level; elsewhere: generic only).
 bool host_isa_compiled(HostIsa isa);
-// The CPU (and the OS, for the AVX-512 register state) supports it.
+// The CPU (and the OS, for the AVX-512 register state and, on Linux, the AMX tile data it grants on request)
+// supports it.
 bool host_isa_supported(HostIsa isa);
 // Empty when `isa` can run here, else why not ("the CPU lacks avx512_bf16", "not compiled into this build").
 char const* host_isa_unavailable_reason(HostIsa isa);

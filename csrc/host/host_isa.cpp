@@ -7,6 +7,14 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace flash_ext {
 
 HostKernels const* host_kernels_generic();
@@ -14,6 +22,7 @@ HostKernels const* host_kernels_generic();
 HostKernels const* host_kernels_avx2();
 HostKernels const* host_kernels_avx512();
 HostKernels const* host_kernels_avx512_bf16();
+HostKernels const* host_kernels_amx_bf16();  // nullptr where the compiler has no AMX intrinsics
 #endif
 
 namespace {
@@ -27,7 +36,41 @@ constexpr IsaInfo kIsas[kNumHostIsas] = {
     {HostIsa::kAvx2, "avx2"},
     {HostIsa::kAvx512, "avx512"},
     {HostIsa::kAvx512Bf16, "avx512_bf16"},
+    {HostIsa::kAmxBf16, "amx_bf16"},
 };
+
+#if defined(__x86_64__)
+// AMX by CPUID (leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16), not __builtin_cpu_supports, whose AMX names
+// only newer compilers know.
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) { return false; }
+  return ((d >> 24) & 1u) != 0 && ((d >> 22) & 1u) != 0;
+}
+
+// The tile registers' state (8 KiB) is saved by the OS only where XCR0 enables it (bits 17, 18) and, on Linux,
+// only for a process that asked for it (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction
+// faults).  Asked once; a refusal (an old kernel, a hypervisor that hides the state) makes the level
+// unsupported rather than a crash.
+bool os_grants_amx_tiles() {
+  static bool const granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || ((c >> 27) & 1u) == 0) { return false; }  // OSXSAVE: xgetbv exists
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) { return false; }
+#if defined(__linux__)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return true;
+#endif
+  }();
+  return granted;
+}
+#endif
+
+constexpr char const* kNoTileState = "AMX tile state";
 
 // The first CPU feature (as /proc/cpuinfo names it) that `isa` needs and the CPU lacks, else nullptr.
 // __builtin_cpu_supports also checks that the OS saves the AVX / AVX-512 register state.
@@ -48,10 +91,12 @@ char const* missing_feature(HostIsa isa) {
       {HostIsa::kAvx512, __builtin_cpu_supports("avx512dq") != 0, "avx512dq"},
       {HostIsa::kAvx512, __builtin_cpu_supports("avx512vl") != 0, "avx512vl"},
       {HostIsa::kAvx512Bf16, __builtin_cpu_supports("avx512bf16") != 0, "avx512_bf16"},
+      {HostIsa::kAmxBf16, cpu_has_amx_bf16(), "amx_tile/amx_bf16"},
   };
   for (Need const& n : needs) {
     if (int(isa) >= int(n.from) && !n.have) { return n.flag; }
   }
+  if (isa == HostIsa::kAmxBf16 && !os_grants_amx_tiles()) { return kNoTileState; }
   return nullptr;
 #else
   return isa == HostIsa::kGeneric ? nullptr : "x86-64";
@@ -78,7 +123,7 @@ char const* resolve(char const* name, int* value) {
   bool is_default;
   if (!host_isa_parse(name, &isa, &is_default)) {
     t_reason = std::string("unknown CPU instruction-set level '") + name +
-               "' (choose generic, avx2, avx512, avx512_bf16 or default)";
+               "' (choose generic, avx2, avx512, avx512_bf16, amx_bf16 or default)";
     return t_reason.c_str();
   }
   if (!is_default) {
@@ -136,6 +181,10 @@ bool host_isa_parse(char const* name, HostIsa* out, bool* is_default) {
     *out = HostIsa::kAvx512Bf16;
     return true;
   }
+  if (std::strcmp(name, "amxbf16") == 0) {
+    *out = HostIsa::kAmxBf16;
+    return true;
+  }
   for (IsaInfo const& i : kIsas) {
     if (std::strcmp(name, i.name) == 0) {
       *out = i.isa;
@@ -152,7 +201,9 @@ bool host_isa_supported(HostIsa isa) { return missing_feature(isa) == nullptr; }
 char const* host_isa_unavailable_reason(HostIsa isa) {
   if (!host_isa_compiled(isa)) {
     t_reason = std::string(host_isa_name(isa)) + " is not compiled into this build";
-  } else if (char const* flag = missing_feature(isa)) {
+  } else if (char const* flag = missing_feature(isa); flag == kNoTileState) {
+    t_reason = std::string("the OS does not grant this process the AMX tile state (needed by ") + host_isa_name(isa) + ")";
+  } else if (flag != nullptr) {
     t_reason = std::string("this CPU lacks ") + flag + " (needed by " + host_isa_name(isa) + ")";
   } else {
     t_reason.clear();
@@ -169,6 +220,7 @@ HostKernels const* host_kernels_for(HostIsa isa) {
     case HostIsa::kAvx2: return host_kernels_avx2();
     case HostIsa::kAvx512: return host_kernels_avx512();
     case HostIsa::kAvx512Bf16: return host_kernels_avx512_bf16();
+    case HostIsa::kAmxBf16: return host_kernels_amx_bf16();
 #endif
     default: return nullptr;
   }

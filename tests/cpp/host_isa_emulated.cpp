@@ -4,7 +4,8 @@
 // instruction's definition orders them).  It lets an AVX2-only CPU run the 16-lane blocking, the pair
 // packing and the chunking of the AVX-512 kernels, and the level's instruction hooks (exp2 by round and
 // scale, pairs by a rounding conversion) as the instructions define them; what it cannot check is the
-// AVX-512 instructions themselves.  Not part of the extension.
+// AVX-512 instructions themselves.  Compiled a second time with FLASH_EXT_EMULATE_TILES
+// (host_isa_emulated_amx.cpp) as the AMX-BF16 level, tiles emulated too.  Not part of the extension.
 #if defined(__x86_64__)
 #define FLASH_EXT_ISA_TARGET "avx2,fma,f16c"
 #include "isa/target_begin.h"
@@ -14,6 +15,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -22,8 +24,13 @@
 namespace flash_ext {
 namespace {
 
+#if FLASH_EXT_EMULATE_TILES
+constexpr HostIsa kIsa = HostIsa::kAmxBf16;
+constexpr char const* kName = "amx_bf16 (emulated on avx2)";
+#else
 constexpr HostIsa kIsa = HostIsa::kAvx512Bf16;
 constexpr char const* kName = "avx512_bf16 (emulated on avx2)";
+#endif
 constexpr int kLanes = 16;
 constexpr int kAccRegs = 24;
 constexpr int kMaxRowVectors = 2;
@@ -114,6 +121,65 @@ inline vu bf16_rne_daz(vf x) {
 #define FLASH_EXT_ISA_HAS_BF16_PAIRS 1
 inline vu vbf16_pairs(vf even, vf odd) { return bf16_rne_daz(even) | (bf16_rne_daz(odd) << 16); }
 
+#if FLASH_EXT_EMULATE_TILES
+// The AMX level's tile hooks, as the instructions define them: eight 16 x 64-byte tiles per thread;
+// tdpbf16ps per element in the SDM's order (each pair's even product, then its odd one, added to the fp32
+// accumulator and rounded to nearest even), bf16 inputs that are subnormal count as zero, and so do
+// subnormal results.  A load or store before tiles_begin (an unconfigured tile) aborts, as the instruction
+// faults.
+#define FLASH_EXT_ISA_HAS_TILES 1
+struct EmulatedTiles {
+  alignas(64) unsigned char t[8][16][64];
+  bool configured = false;
+};
+thread_local EmulatedTiles t_tiles;
+inline void tiles_begin() {
+  std::memset(t_tiles.t, 0, sizeof(t_tiles.t));  // ldtilecfg zeroes the tiles
+  t_tiles.configured = true;
+}
+inline void tiles_end() { t_tiles.configured = false; }
+inline void tile_load(int t, void const* p, int64_t stride) {
+  if (!t_tiles.configured) { __builtin_trap(); }
+  for (int r = 0; r < 16; ++r) { std::memcpy(t_tiles.t[t][r], static_cast<char const*>(p) + r * stride, 64); }
+}
+inline void tile_store(int t, void* p, int64_t stride) {
+  if (!t_tiles.configured) { __builtin_trap(); }
+  for (int r = 0; r < 16; ++r) { std::memcpy(static_cast<char*>(p) + r * stride, t_tiles.t[t][r], 64); }
+}
+inline float bf16_daz(uint16_t h) {
+  uint32_t const bits = (h & 0x7f80u) == 0 ? uint32_t(h & 0x8000u) << 16 : uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float ftz(float x) { return std::fabs(x) < 1.17549435e-38f ? std::copysign(0.f, x) : x; }
+inline void tile_dot(int c, int a, int b) {
+  if (!t_tiles.configured) { __builtin_trap(); }
+  for (int i = 0; i < 16; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      float acc;
+      std::memcpy(&acc, &t_tiles.t[c][i][4 * j], sizeof(acc));
+      for (int q = 0; q < 16; ++q) {
+        uint16_t x[2], y[2];
+        std::memcpy(x, &t_tiles.t[a][i][4 * q], sizeof(x));
+        std::memcpy(y, &t_tiles.t[b][q][4 * j], sizeof(y));
+        acc = ftz(acc + bf16_daz(x[0]) * bf16_daz(y[0]));
+        acc = ftz(acc + bf16_daz(x[1]) * bf16_daz(y[1]));
+      }
+      std::memcpy(&t_tiles.t[c][i][4 * j], &acc, sizeof(acc));
+    }
+  }
+}
+#define FLASH_EXT_TILE_LOAD(t, p, stride) tile_load(t, p, stride)
+#define FLASH_EXT_TILE_STORE(t, p, stride) tile_store(t, p, stride)
+#define FLASH_EXT_TILE_DOT(c, a, b) tile_dot(c, a, b)
+inline void transpose16_u32(vu const* in, vu* out) {
+  for (int j = 0; j < 16; ++j) {
+    for (int i = 0; i < 16; ++i) { out[j][i] = in[i][j]; }
+  }
+}
+#endif
+
 }  // namespace
 }  // namespace flash_ext
 
@@ -121,6 +187,10 @@ inline vu vbf16_pairs(vf even, vf odd) { return bf16_rne_daz(even) | (bf16_rne_d
 #include "isa/kernels.h"
 
 namespace flash_ext {
+#if FLASH_EXT_EMULATE_TILES
+HostKernels const* host_kernels_amx_emulated() { return &kKernels; }
+#else
 HostKernels const* host_kernels_avx512_emulated() { return &kKernels; }
+#endif
 }  // namespace flash_ext
 #endif  // __x86_64__

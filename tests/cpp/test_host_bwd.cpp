@@ -47,7 +47,7 @@ bool run_case(Case const& c, const char* dtype, HostKernels const& kernels) {
   double const eq = bwd_test::rel_err(pb.dq, rdq, nan, 1e-2 * pb.dq_mag), ek = bwd_test::rel_err(pb.dk, rdk, nan, 1e-2 * pb.dk_mag);
   double const ev = bwd_test::rel_err(pb.dv, rdv, nan);
   // A level with bf16 dot products rounds the fp32 P and dS operands of bf16 GEMMs to bf16 (as the GPU does).
-  bool const p16 = std::is_same_v<T, cutlass::bfloat16_t> && kernels.isa == HostIsa::kAvx512Bf16;
+  bool const p16 = std::is_same_v<T, cutlass::bfloat16_t> && (kernels.isa == HostIsa::kAvx512Bf16 || kernels.isa == HostIsa::kAmxBf16);
   double const tol = bwd_test::tolerance<T>(p16);
   bool const ok = !nan && same && eq <= tol && ek <= tol && ev <= tol;
   std::printf("%s %-12s %-5s b%d sq%-4d sk%-4d h%d/%d d%-3d causal%d win(%d,%d) cap%.0f alibi%d drop%.2f splits%d: rel err dq %.1e dk %.1e dv %.1e%s%s\n",

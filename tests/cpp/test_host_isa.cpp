@@ -21,6 +21,7 @@
 
 namespace flash_ext {
 HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
+HostKernels const* host_kernels_amx_emulated();     // tests/cpp/host_isa_emulated_amx.cpp (x86-64 only)
 }
 
 using namespace flash_ext;
@@ -90,7 +91,7 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
                        gc.rows, gc.cols, gc.depth};
   k.gemm(g);
   // A level with bf16 dot products rounds both operands of a bf16-B product to bf16.
-  bool const rounds = k.isa == HostIsa::kAvx512Bf16 && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
+  bool const rounds = (k.isa == HostIsa::kAvx512Bf16 || k.isa == HostIsa::kAmxBf16) && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
   double max_err = 0;
   bool untouched_ok = true;
   for (int n = 0; n < gc.cols + 1; ++n) {
@@ -316,8 +317,9 @@ int main() {
 #if defined(__x86_64__)
   if (host_isa_supported(HostIsa::kAvx2)) {
     check_level(*host_kernels_avx512_emulated());
+    check_level(*host_kernels_amx_emulated());
   } else {
-    std::printf("avx512 emulated on avx2: skipped (this CPU lacks avx2)\n");
+    std::printf("avx512 and amx emulated on avx2: skipped (this CPU lacks avx2)\n");
   }
 #endif
   return check_summary();

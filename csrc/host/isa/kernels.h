@@ -21,6 +21,13 @@
 //   FLASH_EXT_ISA_HAS_SCALEF  1 where the level has round-to-integer and scale-by-2^n instructions; then also
 //   vround_even(x)       x rounded to the nearest integer, ties to even
 //   vscalef(p, n)        p * 2^n for integral n (NaN in, NaN out)
+//   FLASH_EXT_ISA_HAS_TILES  1 where the level has AMX-BF16 tiles (kLanes 16, bf16 dot products); then also
+//   tiles_begin(), tiles_end()   configure tiles 0-7 as 16 rows x 64 bytes / release them
+//   FLASH_EXT_TILE_LOAD(t, p, stride), FLASH_EXT_TILE_STORE(t, p, stride)   tile t (a literal) <-> 16 rows
+//                        of 64 bytes, stride bytes apart
+//   FLASH_EXT_TILE_DOT(c, a, b)  tdpbf16ps: tile c(i, j) += sum over pairs q of a(i, q) . b(q, j), each a
+//                        bf16 pair (fp32 accumulation; subnormal inputs and outputs count as zero)
+//   transpose16_u32(in, out)     out[j] lane i = in[i] lane j, for 16 vectors
 // Everything here has internal linkage (anonymous namespace): each level keeps its own copy, and the one
 // shared template used (philox.h's rounds) is instantiated only for a type of this namespace (host_isa.h
 // says why).  No standard-library function is called either.
@@ -46,6 +53,9 @@ namespace {
 #endif
 #ifndef FLASH_EXT_ISA_HAS_SCALEF
 #define FLASH_EXT_ISA_HAS_SCALEF 0
+#endif
+#ifndef FLASH_EXT_ISA_HAS_TILES
+#define FLASH_EXT_ISA_HAS_TILES 0
 #endif
 
 static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16);
@@ -431,6 +441,149 @@ void gemm_bf16_dot(HostGemmArgs const& g) {
     }
   }
 }
+
+#if FLASH_EXT_ISA_HAS_TILES
+// ---------------------------------------------------------------------------------------------------------
+// The bf16 GEMM on AMX tiles.  tdpbf16ps adds to a 16 x 16 fp32 tile the product of a tile of 16 rows x 16
+// bf16 pairs along k (its first operand) and a tile of 16 k-pairs x 16 columns of pairs (its second).  The
+// host's C is column-major, so the tiles compute C^T: a C tile's 16 rows are 16 columns n of C, each 64
+// contiguous bytes of 16 rows m, loaded and stored in place with C's column stride.  Its first operand is
+// then B's rows (k contiguous: K of Q.K^T as it lies in memory; V of P.V transposed), its second A's k-pairs
+// of 16 rows m, packed as for vdpbf16ps.  Register blocking: C tiles 0-3 (2 x 2: 32 columns x 32 rows), B
+// tiles 4-5, A tiles 6-7; every tile loaded is used twice.  Columns past the last whole 16 go to
+// gemm_bf16_dot, as do products of fewer than 16 columns.
+constexpr int kTileK = 32;                       // bf16 of k per tile row (64 bytes)
+constexpr int kTileBScratch = 16384;             // bf16 of B's packed rows (32 KiB)
+constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (32 KiB)
+
+// B(n0 + j, k0 + k) for j < ncols (a multiple of 16), k < depth as bf16 at out[j * ldo + k], and 0 for
+// depth <= k < ldo.  B contiguous along n (V of P.V): pairs of rows interleaved a vector at a time, then
+// 16 x 16 blocks of pairs transposed; otherwise element by element.
+void pack_b_rows(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, uint16_t* out, int ldo) {
+  uint16_t const* b = static_cast<uint16_t const*>(g.b);
+  if (g.b_ns == 1 && kLanes == 16) {
+    int const pairs = ldo / 2;
+    for (int j = 0; j < ncols; j += 16) {
+      for (int q0 = 0; q0 < pairs; q0 += 16) {
+        vu rows[16], cols[16];
+        for (int i = 0; i < 16; ++i) {
+          int const k = 2 * (q0 + i);
+          if (k >= depth) {
+            rows[i] = vu{};
+            continue;
+          }
+          uint16_t const* row = b + n0 + j + int64_t(k0 + k) * g.b_ks;
+          rows[i] = bf16_row_pairs(row, k + 1 < depth ? row + g.b_ks : nullptr);
+        }
+        transpose16_u32(rows, cols);
+        for (int i = 0; i < 16; ++i) { __builtin_memcpy(out + int64_t(j + i) * ldo + 2 * q0, &cols[i], sizeof(vu)); }
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < ncols; ++j) {
+    uint16_t const* src = b + int64_t(n0 + j) * g.b_ns + int64_t(k0) * g.b_ks;
+    uint16_t* dst = out + int64_t(j) * ldo;
+    if (g.b_ks == 1) {
+      __builtin_memcpy(dst, src, sizeof(uint16_t) * depth);
+    } else {
+      for (int k = 0; k < depth; ++k) { dst[k] = src[int64_t(k) * g.b_ks]; }
+    }
+    for (int k = depth; k < ldo; ++k) { dst[k] = 0; }
+  }
+}
+
+// C tiles of NT x 16 columns and MT x 16 rows at c += B rows (b, b_row bytes apart) . A pairs (a, a_row
+// bytes apart), over ksteps x 32 k.
+template <int NT, int MT>
+FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64_t b_row, uint32_t const* a,
+                                 int64_t a_row, int ksteps) {
+  int64_t const c_row = ldc * int64_t(sizeof(float));
+  int64_t const b_tile = 16 * (b_row / int64_t(sizeof(uint16_t)));  // elements from B's row n to n + 16
+  int64_t const a_step = 16 * (a_row / int64_t(sizeof(uint32_t)));  // elements from pair q to q + 16
+  FLASH_EXT_TILE_LOAD(0, c, c_row);
+  if constexpr (MT == 2) { FLASH_EXT_TILE_LOAD(1, c + 16, c_row); }
+  if constexpr (NT == 2) { FLASH_EXT_TILE_LOAD(2, c + 16 * ldc, c_row); }
+  if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_LOAD(3, c + 16 * ldc + 16, c_row); }
+  for (int s = 0; s < ksteps; ++s) {
+    FLASH_EXT_TILE_LOAD(4, b + s * kTileK, b_row);
+    FLASH_EXT_TILE_LOAD(6, a + s * a_step, a_row);
+    FLASH_EXT_TILE_DOT(0, 4, 6);
+    if constexpr (MT == 2) {
+      FLASH_EXT_TILE_LOAD(7, a + s * a_step + 16, a_row);
+      FLASH_EXT_TILE_DOT(1, 4, 7);
+    }
+    if constexpr (NT == 2) {
+      FLASH_EXT_TILE_LOAD(5, b + b_tile + s * kTileK, b_row);
+      FLASH_EXT_TILE_DOT(2, 5, 6);
+      if constexpr (MT == 2) { FLASH_EXT_TILE_DOT(3, 5, 7); }
+    }
+  }
+  FLASH_EXT_TILE_STORE(0, c, c_row);
+  if constexpr (MT == 2) { FLASH_EXT_TILE_STORE(1, c + 16, c_row); }
+  if constexpr (NT == 2) { FLASH_EXT_TILE_STORE(2, c + 16 * ldc, c_row); }
+  if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_STORE(3, c + 16 * ldc + 16, c_row); }
+}
+
+// Rows m0 .. m0 + MT * 16 against columns n0 .. n0 + ncols (a multiple of 16) over depth from k0.
+template <int MT>
+void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, uint16_t const* b, int64_t b_row,
+               uint32_t* abuf) {
+  constexpr int kRows = MT * 16;
+  int const ksteps = (depth + kTileK - 1) / kTileK;
+  pack_a_pairs<MT * 16 / kLanes>(g, m0, k0, depth, abuf);
+  // k past depth: zero pairs.  B's padding is zero too, but stale pairs here could hold an inf (0 * inf: NaN).
+  for (int q = (depth + 1) / 2; q < ksteps * kTileK / 2; ++q) {
+    for (int r = 0; r < kRows; ++r) { abuf[q * kRows + r] = 0; }
+  }
+  float* c = g.c + m0 + int64_t(n0) * g.ldc;
+  int j = 0;
+  for (; j + 32 <= ncols; j += 32) {
+    tile_block<2, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps);
+  }
+  if (j < ncols) { tile_block<1, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps); }
+}
+
+void gemm_bf16_tiles(HostGemmArgs const& g) {
+  int const tile_cols = g.cols / 16 * 16;
+  if (tile_cols < g.cols) {  // the last few columns
+    HostGemmArgs rest = g;
+    rest.c += int64_t(tile_cols) * g.ldc;
+    rest.b = offset(g.b, int64_t(tile_cols) * g.b_ns, HostDType::kBF16);
+    rest.cols = g.cols - tile_cols;
+    gemm_bf16_dot(rest);
+    if (tile_cols == 0) { return; }
+  }
+  alignas(64) uint32_t abuf[kTileAScratch];
+  alignas(64) uint16_t bbuf[kTileBScratch];
+  int const rows = (g.rows + 15) / 16 * 16;
+  int const kc = g.depth < 256 ? g.depth : 256;
+  int const kc_padded = (kc + kTileK - 1) / kTileK * kTileK;
+  int const nc_max = kTileBScratch / kc_padded / 16 * 16;  // >= 64
+  tiles_begin();
+  for (int k0 = 0; k0 < g.depth; k0 += kc) {
+    int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
+    int const ld = (depth + kTileK - 1) / kTileK * kTileK;
+    for (int n0 = 0; n0 < tile_cols; n0 += nc_max) {
+      int const ncols = tile_cols - n0 < nc_max ? tile_cols - n0 : nc_max;
+      uint16_t const* b;
+      int64_t b_row;  // bytes
+      if (g.b_ks == 1 && depth % kTileK == 0) {  // B's rows used in place
+        b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
+        b_row = g.b_ns * int64_t(sizeof(uint16_t));
+      } else {
+        pack_b_rows(g, n0, k0, ncols, depth, bbuf, ld);
+        b = bbuf;
+        b_row = ld * int64_t(sizeof(uint16_t));
+      }
+      int m0 = 0;
+      for (; m0 + 32 <= rows; m0 += 32) { tile_rows<2>(g, m0, n0, k0, ncols, depth, b, b_row, abuf); }
+      if (m0 < rows) { tile_rows<1>(g, m0, n0, k0, ncols, depth, b, b_row, abuf); }
+    }
+  }
+  tiles_end();
+}
+#endif  // FLASH_EXT_ISA_HAS_TILES
 #endif  // FLASH_EXT_ISA_BF16_DOT
 
 // ---------------------------------------------------------------------------------------------------------
@@ -615,7 +768,9 @@ bool gemm_few_rows(HostGemmArgs const& g) {
 
 void gemm(HostGemmArgs const& g) {
   if (g.rows <= 0 || g.cols <= 0 || g.depth <= 0) { return; }
-#if FLASH_EXT_ISA_BF16_DOT
+#if FLASH_EXT_ISA_HAS_TILES
+  if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_tiles(g); }
+#elif FLASH_EXT_ISA_BF16_DOT
   if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_dot(g); }
 #endif
   if (gemm_few_rows(g)) { return; }
