@@ -139,7 +139,7 @@ py::list compiled_kernels() {
       for (int block_m : {kHostBlockMShort, kHostBlockM}) {
         py::dict k;
         k["backend"] = "cpu", k["kernel"] = "fwd", k["head_dim"] = hd, k["dtype"] = dtype;
-        k["variant"] = "runtime flags", k["block_m"] = block_m, k["block_n"] = kHostBlockN, k["threads"] = 1;
+        k["variant"] = "runtime flags", k["block_m"] = block_m, k["block_n"] = host_block_n(std::string(dtype) == "bf16"), k["threads"] = 1;
         out.append(k);
       }
     }

@@ -10,13 +10,16 @@ namespace flash_ext {
 
 // acc += A . B^T with both operands in shared memory.  Register fragments are filled one k-slice ahead of
 // the MMA that consumes them, so shared-memory loads (ldmatrix on the GPU) overlap tensor-core work.
+// zero_acc (a static bool): acc = A . B^T instead, acc's contents unread.  Only whole-tile GEMMs take it (see
+// TileGemm below); register-fragment MMAs accumulate into cleared registers, which cost nothing to clear.
 template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma, class CopyA,
-          class CopyB, class ThrCopyA, class ThrCopyB>
+          class CopyB, class ThrCopyA, class ThrCopyB, class ZeroAcc = cute::false_type>
 CUTE_HOST_DEVICE void gemm_ss(Acc& acc, FragA& tCrA, FragB& tCrB, SmemA const& tCsA, SmemB const& tCsB,
                               TiledMma const& tiled_mma, CopyA const& smem_tiled_copy_A,
                               CopyB const& smem_tiled_copy_B, ThrCopyA const& smem_thr_copy_A,
-                              ThrCopyB const& smem_thr_copy_B) {
+                              ThrCopyB const& smem_thr_copy_B, ZeroAcc = {}) {
   using namespace cute;
+  static_assert(!ZeroAcc::value, "register-fragment MMAs accumulate: clear acc first");
   Tensor tCrA_view = smem_thr_copy_A.retile_D(tCrA);  // (CPY,CPY_M,CPY_K)
   Tensor tCrB_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY,CPY_N,CPY_K)
   CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(tCrA_view));
@@ -36,11 +39,13 @@ CUTE_HOST_DEVICE void gemm_ss(Acc& acc, FragA& tCrA, FragB& tCrB, SmemA const& t
 // acc += A . B^T with A already in registers (P in the P.V step) and B in shared memory.  The next k-slice
 // of B is prefetched into registers while the current one multiplies, unless one slice is large (head dim
 // >= 192: 48-64 registers per slice), where double-buffering it would push the kernel past 255 registers.
-template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB>
+template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB,
+          class ZeroAcc = cute::false_type>
 CUTE_HOST_DEVICE void gemm_rs(Acc& acc, FragA const& tCrA, FragB& tCrB, SmemB const& tCsB,
                               TiledMma const& tiled_mma, CopyB const& smem_tiled_copy_B,
-                              ThrCopyB const& smem_thr_copy_B) {
+                              ThrCopyB const& smem_thr_copy_B, ZeroAcc = {}) {
   using namespace cute;
+  static_assert(!ZeroAcc::value, "register-fragment MMAs accumulate: clear acc first");
   Tensor tCrB_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY,CPY_N,CPY_K)
   CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<1>(tCrB_view));
   constexpr int kSliceBytes = decltype(size(tCrB(_, _, 0)))::value * int(sizeof(typename FragB::value_type));
@@ -75,7 +80,7 @@ CUTE_HOST_DEVICE void gemm_sr(Acc& acc, FragA& tCrA, FragB const& tCrB, SmemA co
 
 // Whole-tile GEMMs.  A backend whose MMA is a routine over whole tiles rather than an instruction on
 // register fragments (the host: one micro-kernel call per GEMM, traits_host.h) specialises TileGemm for its
-// TiledMma, with rs(acc, A, sB) and ss(acc, sA, sB); the overloads below, more constrained than gemm_ss,
+// TiledMma, with rs(acc, A, sB, zero_acc) and ss(acc, sA, sB, zero_acc); the overloads below, more constrained than gemm_ss,
 // gemm_rs and gemm_sr, then take the complete acc += A . B^T in one call, reading the operands where they
 // are (an operand in shared memory is read there: the k-slice register fragments are not used).  A backend
 // with TileGemm has no fragment in registers that gemm_sr's B could be, so gemm_sr is refused for it.
@@ -83,18 +88,19 @@ template <class TiledMma>
 struct TileGemm : std::false_type {};
 
 template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma, class CopyA,
-          class CopyB, class ThrCopyA, class ThrCopyB>
+          class CopyB, class ThrCopyA, class ThrCopyB, class ZeroAcc = cute::false_type>
   requires TileGemm<TiledMma>::value
 void gemm_ss(Acc& acc, FragA&, FragB&, SmemA const& tCsA, SmemB const& tCsB, TiledMma const&, CopyA const&,
-             CopyB const&, ThrCopyA const&, ThrCopyB const&) {
-  TileGemm<TiledMma>::ss(acc, tCsA, tCsB);
+             CopyB const&, ThrCopyA const&, ThrCopyB const&, ZeroAcc = {}) {
+  TileGemm<TiledMma>::ss(acc, tCsA, tCsB, ZeroAcc::value);
 }
 
-template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB>
+template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB, class ThrCopyB,
+          class ZeroAcc = cute::false_type>
   requires TileGemm<TiledMma>::value
 void gemm_rs(Acc& acc, FragA const& tCrA, FragB&, SmemB const& tCsB, TiledMma const&, CopyB const&,
-             ThrCopyB const&) {
-  TileGemm<TiledMma>::rs(acc, tCrA, tCsB);
+             ThrCopyB const&, ZeroAcc = {}) {
+  TileGemm<TiledMma>::rs(acc, tCrA, tCsB, ZeroAcc::value);
 }
 
 template <class Acc, class FragA, class FragB, class SmemA, class TiledMma, class CopyA, class ThrCopyA>
@@ -121,12 +127,23 @@ CUTE_HOST_DEVICE constexpr auto acc_rowcol(Tensor&& t) {
 // Conversion of an fp32 register fragment (accumulators -> fp16/bf16 operands or outputs), as one array so
 // the GPU uses packed cvt instructions (two values per instruction).  The conversion itself is the traits'
 // (Traits::convert: cvt.rn on the GPU, its emulation under the warp emulator, a plain cast on the host).
+// On the host, fragments that are both one contiguous run (a whole output tile) are converted in place by the
+// level's micro-kernel: the element-wise copies in and out of the Arrays (the bf16 Array's sub-word
+// references) cost more than the conversion.
 template <class Traits, class Src, class Dst>
 CUTE_HOST_DEVICE void convert_into(Src const& src, Dst& dst) {
   using To = typename Dst::value_type;
   constexpr int N = decltype(cute::size(src))::value;
   static_assert(decltype(cute::size(dst))::value == N);
   static_assert(std::is_same_v<typename Src::value_type, float>);
+  if constexpr (Traits::kIsHost) {
+    using Contiguous = cute::Layout<cute::Int<N>, cute::_1>;
+    if constexpr (std::is_same_v<decltype(cute::coalesce(typename Src::layout_type{})), Contiguous> &&
+                  std::is_same_v<decltype(cute::coalesce(typename Dst::layout_type{})), Contiguous>) {
+      Traits::convert_contiguous(cute::raw_pointer_cast(&src(0)), cute::raw_pointer_cast(&dst(0)), N);
+      return;
+    }
+  }
   cutlass::Array<float, N> in;
   CUTE_UNROLL
   for (int i = 0; i < N; ++i) { in[i] = src(i); }

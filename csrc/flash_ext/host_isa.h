@@ -38,6 +38,8 @@ enum class HostDType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // A level with bf16 dot products (kAvx512Bf16, kAmxBf16) computes a bf16 x bf16 product with both operands
 // rounded to bf16 (exact for bf16 inputs; the fp32 P of P.V is rounded, as on the GPU); every other case multiplies
 // in fp32.
+// With overwrite, C's prior contents are not read: C(m, n) = sum_k A(m, k) * B(n, k) (the S = Q.K^T of every
+// tile, which would otherwise be cleared in memory and read straight back).
 struct HostGemmArgs {
   float* c;
   int64_t ldc;
@@ -48,6 +50,7 @@ struct HostGemmArgs {
   HostDType b_type;
   int64_t b_ns, b_ks;
   int rows, cols, depth;
+  bool overwrite = false;
 };
 
 // One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles, with the

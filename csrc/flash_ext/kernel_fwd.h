@@ -146,9 +146,12 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   // diagonal), then the fully visible ones, which skip the mask, then the left edge of a local window.  One
   // loop with a CTA-uniform branch rather than three copies of the body: the copies cost registers (hd 256
   // spilled) and compile time, and the static "even" variant has no mask code at all (any_mask is false).
+  // S = Q.K^T starts from zero: cleared registers on the GPU; a whole-tile GEMM (the host) starts its own
+  // tiles from zero instead of writing a cleared tile to memory and reading it straight back.
+  constexpr auto kZeroS = cute::bool_constant<TileGemm<typename Traits::TiledMma>::value>{};
   for (; n_block >= n_min; --n_block) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
-    clear(acc_s);
+    if constexpr (!kZeroS) { clear(acc_s); }
 
     // K(n_block) has landed and is visible to all threads; and every thread has finished the previous
     // P.V, so sV may be overwritten.
@@ -164,10 +167,10 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
       if (n_block == n_max - 1) {  // Q landed with the first K tile (same cp.async group)
         copy(smem_tiled_copy_Q, tSsQ, smem_thr_copy_Q.retile_D(tSrQ));
       }
-      gemm_rs(acc_s, tSrQ, tSrK, tSsK, tiled_mma, smem_tiled_copy_K, smem_thr_copy_K);
+      gemm_rs(acc_s, tSrQ, tSrK, tSsK, tiled_mma, smem_tiled_copy_K, smem_thr_copy_K, kZeroS);
     } else {
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K, smem_thr_copy_Q,
-              smem_thr_copy_K);
+              smem_thr_copy_K, kZeroS);
     }
     if (flags.softcap) { apply_softcap<Traits>(acc_s, params.softcap_prescale); }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)

@@ -16,13 +16,18 @@
 namespace flash_ext {
 
 // Host tiles: 128 query rows amortise each K/V tile's copy into operand fragments (measured 37 -> 46 GF/s
-// per core at d=64 vs 64 rows; 128 key columns gave 2% more for twice the S buffer).  Everything a
-// "CTA" touches (~100-300 KB) stays in L2.  A problem of at most 16 query rows (decode: one token, or
-// the query heads of one K/V group run as rows) gets a 16-row tile instead: in a 128-row tile it would
-// pay for 112 empty rows in every Q.K^T and P.V.
+// per core at d=64 vs 64 rows).  Everything a "CTA" touches (~100-400 KB) stays in L2.  A problem of at
+// most 16 query rows (decode: one token, or the query heads of one K/V group run as rows) gets a 16-row
+// tile instead: in a 128-row tile it would pay for 112 empty rows in every Q.K^T and P.V.
 inline constexpr int kHostBlockM = 128;
 inline constexpr int kHostBlockMShort = 16;
-inline constexpr int kHostBlockN = 64;
+// Key columns per tile, by element type.  O lives in memory on the host and P.V reads and writes it once
+// per K/V tile, so a deeper P.V pays where the GEMM itself is fast: bf16 (vdpbf16ps, AMX tiles) measured
+// 5-10% faster with 128 than with 64; fp32 measured 3-7% slower (its S tile doubles to 64 KiB) and fp16
+// even (Intel Xeon with AMX, 2026-12-02, docs/perf.md).  Per element type, so no extra instantiation.
+constexpr int host_block_n(bool bf16) { return bf16 ? 128 : 64; }
+template <class Element>
+inline constexpr int kHostBlockN = host_block_n(std::is_same_v<Element, cutlass::bfloat16_t>);
 
 constexpr int host_block_m(int seqlen_q) { return seqlen_q <= kHostBlockMShort ? kHostBlockMShort : kHostBlockM; }
 
@@ -110,9 +115,9 @@ void run_fwd_host_head_dim(FwdParams const& params, HostKernels const& kernels, 
   if constexpr (!host_head_dim_compiled(kHeadDim)) {
     return;  // not in this build: host_head_dim_for never selects it
   } else if (host_block_m(params.seqlen_q) == kHostBlockMShort) {
-    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN, Element>>(params, kernels, parallel_for);
+    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN<Element>, Element>>(params, kernels, parallel_for);
   } else {
-    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN, Element>>(params, kernels, parallel_for);
+    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN<Element>, Element>>(params, kernels, parallel_for);
   }
 }
 

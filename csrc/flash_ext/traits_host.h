@@ -237,7 +237,7 @@ HostOperand host_operand(Tensor const& t) {
 // acc(m, n) += sum_k A(m, k) * B(n, k) over a whole tile, by the level's GEMM micro-kernel.  Rows past the
 // CTA's live rows (host_cta_context) are skipped.
 template <class Acc, class A, class B>
-void host_tile_gemm(Acc& acc, A const& tA, B const& tB) {
+void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
   HostOperand const c = host_operand(acc), a = host_operand(tA), b = host_operand(tB);
   static_assert(std::is_same_v<typename Acc::value_type, float>);
   // Column-major fp32 accumulators: the layout of partition_fragment_C for the 1x1x1 atom.
@@ -245,8 +245,16 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB) {
   int const live = host_cta_context().live_rows;
   HostGemmArgs const g{static_cast<float*>(const_cast<void*>(c.ptr)), c.col_stride, a.ptr, a.type, a.row_stride,
                        a.col_stride, b.ptr, b.type, b.row_stride, b.col_stride,
-                       c.rows < live ? c.rows : live, c.cols, a.cols};
+                       c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc};
   host_kernels().gemm(g);
+  // Rows past the live ones (rounded up to a vector) are not computed; with zero_acc they are zeroed, as a
+  // cleared accumulator would hold them, rather than left as whatever the stack held.
+  int const computed = (g.rows + 15) / 16 * 16;
+  if (zero_acc && computed < c.rows) {
+    for (int n = 0; n < c.cols; ++n) {
+      std::memset(g.c + computed + int64_t(n) * g.ldc, 0, sizeof(float) * size_t(c.rows - computed));
+    }
+  }
 }
 
 // Whole-tile GEMMs of the host (gemm.h): A from registers (Q, P) or shared memory, B from shared memory,
@@ -254,9 +262,13 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB) {
 template <class T>
 struct TileGemm<HostTiledMma<T>> : std::true_type {
   template <class Acc, class FragA, class SmemB>
-  static void rs(Acc& acc, FragA const& tCrA, SmemB const& tCsB) { host_tile_gemm(acc, tCrA, tCsB); }
+  static void rs(Acc& acc, FragA const& tCrA, SmemB const& tCsB, bool zero_acc = false) {
+    host_tile_gemm(acc, tCrA, tCsB, zero_acc);
+  }
   template <class Acc, class SmemA, class SmemB>
-  static void ss(Acc& acc, SmemA const& tCsA, SmemB const& tCsB) { host_tile_gemm(acc, tCsA, tCsB); }
+  static void ss(Acc& acc, SmemA const& tCsA, SmemB const& tCsB, bool zero_acc = false) {
+    host_tile_gemm(acc, tCsA, tCsB, zero_acc);
+  }
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, class Element_>
@@ -349,6 +361,10 @@ struct HostTraits : PlainGlobalMemory {
     cutlass::Array<To, N> out;
     host_kernels().convert(in.data(), out.data(), host_dtype<To>(), N);
     return out;
+  }
+  template <class To>
+  static void convert_contiguous(float const* in, To* out, int n) {
+    host_kernels().convert(in, out, host_dtype<To>(), n);
   }
   template <class Tensor>
   static void clear_smem(Tensor&& t) { cute::clear(t); }

@@ -53,6 +53,7 @@ inline __attribute__((always_inline)) void tiles_end() { _tile_release(); }
     _tile_loadd(t, p, stride);            \
   } while (0)
 #define FLASH_EXT_TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define FLASH_EXT_TILE_ZERO(t) _tile_zero(t)
 #define FLASH_EXT_TILE_DOT(c, a, b) _tile_dpbf16ps(c, a, b)
 
 // out[j] lane i = in[i] lane j: 32-bit interleaves, then 64-bit ones, then two rounds of 128-bit lane shuffles.

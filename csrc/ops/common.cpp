@@ -112,7 +112,7 @@ TileChoice choose_tile(FwdParams const& p, at::Tensor const& q, DeviceInfo const
     t.ok = t.head_dim > 0;
     if (!t.ok) { t.why = "no CPU kernel for head dim " + std::to_string(p.d) + " in this build"; }
     t.block_m = host_block_m(p.seqlen_q);
-    t.block_n = kHostBlockN;
+    t.block_n = host_block_n(q.scalar_type() == at::kBFloat16);
     t.threads = 1;
     t.smem = (t.block_m + 2 * t.block_n) * t.head_dim * int(q.element_size());
     t.variant = "runtime flags";

@@ -172,6 +172,11 @@ inline void tile_dot(int c, int a, int b) {
 }
 #define FLASH_EXT_TILE_LOAD(t, p, stride) tile_load(t, p, stride)
 #define FLASH_EXT_TILE_STORE(t, p, stride) tile_store(t, p, stride)
+inline void tile_zero(int t) {
+  if (!t_tiles.configured) { __builtin_trap(); }
+  std::memset(t_tiles.t[t], 0, sizeof(t_tiles.t[t]));
+}
+#define FLASH_EXT_TILE_ZERO(t) tile_zero(t)
 #define FLASH_EXT_TILE_DOT(c, a, b) tile_dot(c, a, b)
 inline void transpose16_u32(vu const* in, vu* out) {
   for (int j = 0; j < 16; ++j) {

@@ -71,6 +71,7 @@ struct GemmCase {
   // B's rows several rows apart, not just padded (as in a (seq, heads, dim) tensor): the widened span then
   // outgrows the scratch at the larger shapes, so the GEMM's chunking is exercised too.
   bool b_wide = false;
+  bool overwrite = false;  // C = A . B^T: C's prior contents (NaN here) must not be read
 };
 
 void check_gemm(HostKernels const& k, GemmCase const& gc) {
@@ -86,13 +87,19 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   std::vector<float> c(ldc * (gc.cols + 1), 0.f);
   std::normal_distribution<float> nd;
   for (auto& x : c) { x = nd(g_rng); }
+  if (gc.overwrite) {
+    for (int n = 0; n < gc.cols; ++n) {
+      for (int m = 0; m < rows_alloc; ++m) { c[m + n * ldc] = NAN; }
+    }
+  }
   std::vector<float> const c0 = c;
   HostGemmArgs const g{c.data(), ldc, a.ptr(), gc.a_type, a_ms, a_ks, b.ptr(), gc.b_type, b_ns, b_ks,
-                       gc.rows, gc.cols, gc.depth};
+                       gc.rows, gc.cols, gc.depth, gc.overwrite};
   k.gemm(g);
   // A level with bf16 dot products rounds both operands of a bf16-B product to bf16.
   bool const rounds = (k.isa == HostIsa::kAvx512Bf16 || k.isa == HostIsa::kAmxBf16) && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
   double max_err = 0;
+  bool nan_seen = false;
   bool untouched_ok = true;
   for (int n = 0; n < gc.cols + 1; ++n) {
     for (int m = 0; m < ldc; ++m) {
@@ -102,14 +109,19 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
         continue;
       }
       if (m >= gc.rows) { continue; }  // rows up to the vector boundary: unspecified
-      double ref = c0[m + n * ldc], mag = std::fabs(ref);
+      double ref = gc.overwrite ? 0. : c0[m + n * ldc], mag = std::fabs(ref);
       for (int kk = 0; kk < gc.depth; ++kk) {
         double av = a.value[m * a_ms + kk * a_ks], bv = b.value[n * b_ns + kk * b_ks];
         if (rounds) { av = bf16_round(float(av)), bv = bf16_round(float(bv)); }
         ref += av * bv;
         mag += std::fabs(av * bv);
       }
-      max_err = std::max(max_err, std::fabs(got - ref) / (mag + 1e-6));
+      double const err = std::fabs(got - ref) / (mag + 1e-6);
+      if (std::isnan(err)) {
+        nan_seen = true;  // std::max would drop it
+      } else {
+        max_err = std::max(max_err, err);
+      }
     }
   }
   CHECK(untouched_ok, "%s gemm a=%s b=%s %dx%dx%d: wrote outside its columns/rows", k.name, type_name(gc.a_type),
@@ -117,8 +129,9 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
   char const* const b_layout = gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)")
                                                  : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)");
-  CHECK(max_err < 1e-5, "%s gemm a=%s%s b=%s%s %dx%dx%d: relative error %.3g", k.name, type_name(gc.a_type),
-        gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), b_layout, gc.rows, gc.cols, gc.depth, max_err);
+  CHECK(!nan_seen && max_err < 1e-5, "%s gemm%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
+        gc.overwrite ? " (overwrite)" : "", type_name(gc.a_type), gc.a_col_major ? "(col)" : "(row)",
+        type_name(gc.b_type), b_layout, gc.rows, gc.cols, gc.depth, max_err, nan_seen ? ", NaN results" : "");
 }
 
 void check_gemms(HostKernels const& k) {
@@ -131,9 +144,12 @@ void check_gemms(HostKernels const& k) {
   int n = 0;
   for (HostDType at : types) {
     for (HostDType bt : types) {
-      for (auto const& s : shapes) {
+      for (int si = 0; si < int(sizeof(shapes) / sizeof(shapes[0])); ++si) {
+        auto const& s = shapes[si];
         for (int layout = 0; layout < 8; ++layout) {
-          check_gemm(k, GemmCase{at, bt, s[0], s[1], s[2], (layout & 1) == 0, (layout & 2) == 0, (layout & 4) != 0});
+          // Overwriting on every other shape and layout: each layout and each shape both ways.
+          check_gemm(k, GemmCase{at, bt, s[0], s[1], s[2], (layout & 1) == 0, (layout & 2) == 0, (layout & 4) != 0,
+                                 ((layout ^ si) & 1) != 0});
           ++n;
         }
       }

@@ -25,6 +25,7 @@
 //   tiles_begin(), tiles_end()   configure tiles 0-7 as 16 rows x 64 bytes / release them
 //   FLASH_EXT_TILE_LOAD(t, p, stride), FLASH_EXT_TILE_STORE(t, p, stride)   tile t (a literal) <-> 16 rows
 //                        of 64 bytes, stride bytes apart
+//   FLASH_EXT_TILE_ZERO(t)       tile t = 0
 //   FLASH_EXT_TILE_DOT(c, a, b)  tdpbf16ps: tile c(i, j) += sum over pairs q of a(i, q) . b(q, j), each a
 //                        bf16 pair (fp32 accumulation; subnormal inputs and outputs count as zero)
 //   transpose16_u32(in, out)     out[j] lane i = in[i] lane j, for 16 vectors
@@ -274,6 +275,15 @@ void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
   }
 }
 
+// C(m, n) = 0 for m < rows rounded up to a vector, n < cols: an overwriting GEMM (HostGemmArgs::overwrite)
+// on the paths that accumulate.
+void zero_c(HostGemmArgs const& g) {
+  int const rows = (g.rows + kLanes - 1) / kLanes * kLanes;
+  for (int n = 0; n < g.cols; ++n) {
+    for (int m = 0; m < rows; m += kLanes) { vstore(g.c + m + int64_t(n) * g.ldc, vf{}); }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The bf16 GEMM of levels with vdpbf16ps: A and B as bf16 pairs along k, one instruction per pair of k.
 #if FLASH_EXT_ISA_BF16_DOT
@@ -312,27 +322,39 @@ FLASH_EXT_INLINE vu bf16_row_pairs(uint16_t const* even, uint16_t const* odd) {
 template <int RV>
 void pack_a_pairs(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* out) {
   constexpr int kRows = RV * kLanes;
-  for (int q = 0; q < (depth + 1) / 2; ++q) {
-    int const k = k0 + 2 * q;
-    bool const has_odd = 2 * q + 1 < depth;
-    int64_t const base = int64_t(m0) * g.a_ms + int64_t(k) * g.a_ks;
-    if (g.a_ms == 1 && g.a_type != HostDType::kF16) {
+  int const pairs = (depth + 1) / 2;
+  int64_t const base = int64_t(m0) * g.a_ms + int64_t(k0) * g.a_ks;
+  // One loop per operand kind (the type tests hoisted out of it): contiguous columns of fp32 (Q widened, P:
+  // rounded in pairs) or bf16, else element by element.
+  if (g.a_ms == 1 && g.a_type == HostDType::kF32) {
+    float const* a = static_cast<float const*>(g.a) + base;
+    for (int q = 0; q < pairs; ++q) {
+      float const* even = a + int64_t(2 * q) * g.a_ks;
+      bool const has_odd = 2 * q + 1 < depth;
 #pragma GCC unroll 4
       for (int i = 0; i < RV; ++i) {
-        void const* p0 = offset(g.a, base + i * kLanes, g.a_type);
-        void const* p1 = offset(g.a, base + g.a_ks + i * kLanes, g.a_type);
-        vu pair;
-        if (g.a_type == HostDType::kBF16) {
-          pair = bf16_row_pairs(static_cast<uint16_t const*>(p0), has_odd ? static_cast<uint16_t const*>(p1) : nullptr);
-        } else {  // fp32 (Q widened, P): rounded in pairs
-          pair = vbf16_pairs(vload(static_cast<float const*>(p0)), has_odd ? vload(static_cast<float const*>(p1)) : vf{});
-        }
+        vu const pair = vbf16_pairs(vload(even + i * kLanes), has_odd ? vload(even + g.a_ks + i * kLanes) : vf{});
         __builtin_memcpy(out + q * kRows + i * kLanes, &pair, sizeof(pair));
       }
-    } else {
+    }
+  } else if (g.a_ms == 1 && g.a_type == HostDType::kBF16) {
+    uint16_t const* a = static_cast<uint16_t const*>(g.a) + base;
+    for (int q = 0; q < pairs; ++q) {
+      uint16_t const* even = a + int64_t(2 * q) * g.a_ks;
+      bool const has_odd = 2 * q + 1 < depth;
+#pragma GCC unroll 4
+      for (int i = 0; i < RV; ++i) {
+        vu const pair = bf16_row_pairs(even + i * kLanes, has_odd ? even + g.a_ks + i * kLanes : nullptr);
+        __builtin_memcpy(out + q * kRows + i * kLanes, &pair, sizeof(pair));
+      }
+    }
+  } else {
+    for (int q = 0; q < pairs; ++q) {
+      int64_t const at = base + int64_t(2 * q) * g.a_ks;
+      bool const has_odd = 2 * q + 1 < depth;
       for (int r = 0; r < kRows; ++r) {
-        uint32_t const lo = bf16_bits_at(g.a, base + r * g.a_ms, g.a_type);
-        uint32_t const hi = has_odd ? bf16_bits_at(g.a, base + r * g.a_ms + g.a_ks, g.a_type) : 0u;
+        uint32_t const lo = bf16_bits_at(g.a, at + r * g.a_ms, g.a_type);
+        uint32_t const hi = has_odd ? bf16_bits_at(g.a, at + r * g.a_ms + g.a_ks, g.a_type) : 0u;
         out[q * kRows + r] = lo | (hi << 16);
       }
     }
@@ -497,14 +519,21 @@ void pack_b_rows(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, ui
 // bytes apart), over ksteps x 32 k.
 template <int NT, int MT>
 FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64_t b_row, uint32_t const* a,
-                                 int64_t a_row, int ksteps) {
+                                 int64_t a_row, int ksteps, bool zero_c) {
   int64_t const c_row = ldc * int64_t(sizeof(float));
   int64_t const b_tile = 16 * (b_row / int64_t(sizeof(uint16_t)));  // elements from B's row n to n + 16
   int64_t const a_step = 16 * (a_row / int64_t(sizeof(uint32_t)));  // elements from pair q to q + 16
-  FLASH_EXT_TILE_LOAD(0, c, c_row);
-  if constexpr (MT == 2) { FLASH_EXT_TILE_LOAD(1, c + 16, c_row); }
-  if constexpr (NT == 2) { FLASH_EXT_TILE_LOAD(2, c + 16 * ldc, c_row); }
-  if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_LOAD(3, c + 16 * ldc + 16, c_row); }
+  if (zero_c) {
+    FLASH_EXT_TILE_ZERO(0);
+    if constexpr (MT == 2) { FLASH_EXT_TILE_ZERO(1); }
+    if constexpr (NT == 2) { FLASH_EXT_TILE_ZERO(2); }
+    if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_ZERO(3); }
+  } else {
+    FLASH_EXT_TILE_LOAD(0, c, c_row);
+    if constexpr (MT == 2) { FLASH_EXT_TILE_LOAD(1, c + 16, c_row); }
+    if constexpr (NT == 2) { FLASH_EXT_TILE_LOAD(2, c + 16 * ldc, c_row); }
+    if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_LOAD(3, c + 16 * ldc + 16, c_row); }
+  }
   for (int s = 0; s < ksteps; ++s) {
     FLASH_EXT_TILE_LOAD(4, b + s * kTileK, b_row);
     FLASH_EXT_TILE_LOAD(6, a + s * a_step, a_row);
@@ -529,6 +558,7 @@ FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64
 template <int MT>
 void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, uint16_t const* b, int64_t b_row,
                uint32_t* abuf) {
+  bool const zero_c = g.overwrite && k0 == 0;
   constexpr int kRows = MT * 16;
   int const ksteps = (depth + kTileK - 1) / kTileK;
   pack_a_pairs<MT * 16 / kLanes>(g, m0, k0, depth, abuf);
@@ -539,9 +569,11 @@ void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
   float* c = g.c + m0 + int64_t(n0) * g.ldc;
   int j = 0;
   for (; j + 32 <= ncols; j += 32) {
-    tile_block<2, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps);
+    tile_block<2, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps, zero_c);
   }
-  if (j < ncols) { tile_block<1, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps); }
+  if (j < ncols) {
+    tile_block<1, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps, zero_c);
+  }
 }
 
 void gemm_bf16_tiles(HostGemmArgs const& g) {
@@ -551,6 +583,7 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
     rest.c += int64_t(tile_cols) * g.ldc;
     rest.b = offset(g.b, int64_t(tile_cols) * g.b_ns, HostDType::kBF16);
     rest.cols = g.cols - tile_cols;
+    if (rest.overwrite) { zero_c(rest); }
     gemm_bf16_dot(rest);
     if (tile_cols == 0) { return; }
   }
@@ -766,11 +799,19 @@ bool gemm_few_rows(HostGemmArgs const& g) {
   return true;
 }
 
-void gemm(HostGemmArgs const& g) {
-  if (g.rows <= 0 || g.cols <= 0 || g.depth <= 0) { return; }
+void gemm(HostGemmArgs const& in) {
+  if (in.rows <= 0 || in.cols <= 0) { return; }
 #if FLASH_EXT_ISA_HAS_TILES
-  if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_tiles(g); }
-#elif FLASH_EXT_ISA_BF16_DOT
+  // The tiles start from zero themselves.
+  if (in.depth > 0 && in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_bf16_tiles(in); }
+#endif
+  HostGemmArgs g = in;
+  if (g.overwrite) {  // the other paths accumulate
+    zero_c(g);
+    g.overwrite = false;
+  }
+  if (g.depth <= 0) { return; }
+#if FLASH_EXT_ISA_BF16_DOT
   if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_dot(g); }
 #endif
   if (gemm_few_rows(g)) { return; }
