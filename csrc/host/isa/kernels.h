@@ -476,7 +476,7 @@ void gemm_bf16_dot(HostGemmArgs const& g) {
 // gemm_bf16_dot, as do products of fewer than 16 columns.
 constexpr int kTileK = 32;                       // bf16 of k per tile row (64 bytes)
 constexpr int kTileBScratch = 16384;             // bf16 of B's packed rows (32 KiB)
-constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (32 KiB)
+constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (16 KiB)
 
 // B(n0 + j, k0 + k) for j < ncols (a multiple of 16), k < depth as bf16 at out[j * ldo + k], and 0 for
 // depth <= k < ldo.  B contiguous along n (V of P.V): pairs of rows interleaved a vector at a time, then
