@@ -80,9 +80,10 @@ CUTE_HOST_DEVICE void gemm_sr(Acc& acc, FragA& tCrA, FragB const& tCrB, SmemA co
 
 // Whole-tile GEMMs.  A backend whose MMA is a routine over whole tiles rather than an instruction on
 // register fragments (the host: one micro-kernel call per GEMM, traits_host.h) specialises TileGemm for its
-// TiledMma, with rs(acc, A, sB, zero_acc) and ss(acc, sA, sB, zero_acc); the overloads below, more constrained than gemm_ss,
-// gemm_rs and gemm_sr, then take the complete acc += A . B^T in one call, reading the operands where they
-// are (an operand in shared memory is read there: the k-slice register fragments are not used).  A backend
+// TiledMma, with rs(acc, A, sB, zero_acc) and ss(acc, sA, sB, zero_acc); the overloads below, more
+// constrained than gemm_ss, gemm_rs and gemm_sr, then take the complete acc += A . B^T (acc = A . B^T with
+// zero_acc) in one call, reading the operands where they are (an operand in shared memory is read there:
+// the k-slice register fragments are not used).  A backend
 // with TileGemm has no fragment in registers that gemm_sr's B could be, so gemm_sr is refused for it.
 template <class TiledMma>
 struct TileGemm : std::false_type {};

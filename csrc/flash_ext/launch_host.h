@@ -115,9 +115,11 @@ void run_fwd_host_head_dim(FwdParams const& params, HostKernels const& kernels, 
   if constexpr (!host_head_dim_compiled(kHeadDim)) {
     return;  // not in this build: host_head_dim_for never selects it
   } else if (host_block_m(params.seqlen_q) == kHostBlockMShort) {
-    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN<Element>, Element>>(params, kernels, parallel_for);
+    using Traits = HostTraits<kHeadDim, kHostBlockMShort, kHostBlockN<Element>, Element>;
+    run_fwd_host_traits<Traits>(params, kernels, parallel_for);
   } else {
-    run_fwd_host_traits<HostTraits<kHeadDim, kHostBlockM, kHostBlockN<Element>, Element>>(params, kernels, parallel_for);
+    using Traits = HostTraits<kHeadDim, kHostBlockM, kHostBlockN<Element>, Element>;
+    run_fwd_host_traits<Traits>(params, kernels, parallel_for);
   }
 }
 

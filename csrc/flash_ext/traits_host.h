@@ -234,8 +234,8 @@ HostOperand host_operand(Tensor const& t) {
           host_mode_stride(layout<2>(t)), int(size<1>(t)), int(size<2>(t))};
 }
 
-// acc(m, n) += sum_k A(m, k) * B(n, k) over a whole tile, by the level's GEMM micro-kernel.  Rows past the
-// CTA's live rows (host_cta_context) are skipped.
+// acc(m, n) += sum_k A(m, k) * B(n, k) over a whole tile (= with zero_acc), by the level's GEMM micro-kernel.
+// Rows past the CTA's live rows (host_cta_context) are skipped.
 template <class Acc, class A, class B>
 void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
   HostOperand const c = host_operand(acc), a = host_operand(tA), b = host_operand(tB);

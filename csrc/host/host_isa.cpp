@@ -202,7 +202,8 @@ char const* host_isa_unavailable_reason(HostIsa isa) {
   if (!host_isa_compiled(isa)) {
     t_reason = std::string(host_isa_name(isa)) + " is not compiled into this build";
   } else if (char const* flag = missing_feature(isa); flag == kNoTileState) {
-    t_reason = std::string("the OS does not grant this process the AMX tile state (needed by ") + host_isa_name(isa) + ")";
+    t_reason = std::string("the OS does not grant this process the AMX tile state (needed by ") +
+               host_isa_name(isa) + ")";
   } else if (flag != nullptr) {
     t_reason = std::string("this CPU lacks ") + flag + " (needed by " + host_isa_name(isa) + ")";
   } else {

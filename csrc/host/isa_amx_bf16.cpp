@@ -73,8 +73,10 @@ inline __attribute__((always_inline)) void transpose16_u32(vu const* in, vu* out
   }
   // Output row 4 L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e] (a 4 x 4 transpose of 128-bit lanes).
   for (int e = 0; e < 4; ++e) {
-    __m512i const u0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), u1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xee);
-    __m512i const u2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44), u3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xee);
+    __m512i const u0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+    __m512i const u1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xee);
+    __m512i const u2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    __m512i const u3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xee);
     out[e] = (vu)_mm512_shuffle_i32x4(u0, u2, 0x88);
     out[4 + e] = (vu)_mm512_shuffle_i32x4(u0, u2, 0xdd);
     out[8 + e] = (vu)_mm512_shuffle_i32x4(u1, u3, 0x88);
