@@ -475,7 +475,7 @@ void gemm_bf16_dot(HostGemmArgs const& g) {
 // tiles 4-5, A tiles 6-7; every tile loaded is used twice.  Columns past the last whole 16 go to
 // gemm_bf16_dot, as do products of fewer than 16 columns.
 constexpr int kTileK = 32;                       // bf16 of k per tile row (64 bytes)
-constexpr int kTileBScratch = 16384;             // bf16 of B's packed rows (32 KiB)
+constexpr int kTileBScratch = 32768;             // bf16 of B's packed rows (64 KiB: V^T of 128 keys x d 256)
 constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (16 KiB)
 
 // B(n0 + j, k0 + k) for j < ncols (a multiple of 16), k < depth as bf16 at out[j * ldo + k], and 0 for
@@ -592,16 +592,19 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
   int const rows = (g.rows + 15) / 16 * 16;
   int const kc = g.depth < 256 ? g.depth : 256;
   int const kc_padded = (kc + kTileK - 1) / kTileK * kTileK;
-  int const nc_max = kTileBScratch / kc_padded / 16 * 16;  // >= 64
+  int const nc_packed = kTileBScratch / kc_padded / 16 * 16;  // >= 128
   tiles_begin();
   for (int k0 = 0; k0 < g.depth; k0 += kc) {
     int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
     int const ld = (depth + kTileK - 1) / kTileK * kTileK;
-    for (int n0 = 0; n0 < tile_cols; n0 += nc_max) {
-      int const ncols = tile_cols - n0 < nc_max ? tile_cols - n0 : nc_max;
+    bool const in_place = g.b_ks == 1 && depth % kTileK == 0;
+    // Columns in chunks only as far as packed B must fit its scratch: A is packed again for every chunk.
+    int const nc = in_place ? tile_cols : nc_packed;
+    for (int n0 = 0; n0 < tile_cols; n0 += nc) {
+      int const ncols = tile_cols - n0 < nc ? tile_cols - n0 : nc;
       uint16_t const* b;
       int64_t b_row;  // bytes
-      if (g.b_ks == 1 && depth % kTileK == 0) {  // B's rows used in place
+      if (in_place) {  // B's rows used in place
         b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
         b_row = g.b_ns * int64_t(sizeof(uint16_t));
       } else {
