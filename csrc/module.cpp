@@ -107,11 +107,11 @@ py::list compiled_kernels() {
     for (int hd : gpu_head_dims()) {
       for (char const* dtype : {"fp16", "bf16"}) {
         for (bool causal : {false, true}) {
-          TileConfig const t = sm80_tile_config(hd, causal);
-          for (Variant const& v : kVariants) {
+          for (int vi = 0; vi < kNumVariants; ++vi) {
+            TileConfig const t = sm80_tile_config(hd, vi);
             py::dict k;
             k["backend"] = "cuda", k["arch"] = "sm_" + arch, k["kernel"] = "fwd", k["head_dim"] = hd;
-            k["dtype"] = dtype, k["causal"] = causal, k["variant"] = v.name;
+            k["dtype"] = dtype, k["causal"] = causal, k["variant"] = kVariants[vi].name;
             k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
             out.append(k);
           }
@@ -122,11 +122,11 @@ py::list compiled_kernels() {
   for (int hd : emulator_head_dims()) {  // the same Sm80 instances, with the emulated architecture policy
     for (char const* dtype : {"fp16", "bf16"}) {
       for (bool causal : {false, true}) {
-        TileConfig const t = sm80_tile_config(hd, causal);
-        for (Variant const& v : kVariants) {
+        for (int vi = 0; vi < kNumVariants; ++vi) {
+          TileConfig const t = sm80_tile_config(hd, vi);
           py::dict k;
           k["backend"] = "emulator", k["arch"] = "sm_80", k["kernel"] = "fwd", k["head_dim"] = hd;
-          k["dtype"] = dtype, k["causal"] = causal, k["variant"] = v.name;
+          k["dtype"] = dtype, k["causal"] = causal, k["variant"] = kVariants[vi].name;
           k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
           out.append(k);
         }
@@ -172,15 +172,29 @@ py::dict plan_to_dict(ops::Plan const& p) {
   return d;
 }
 
-// The GPU kernel's tile for a head dim (dispatch.h's sm80_tile_config), whatever this build compiled: the
-// roofline model of explain(gpu=...) needs it on machines without a GPU too.
-py::dict gpu_tile_config(int head_dim, bool causal, int max_smem_per_block_optin) {
+// The GPU kernel's tile for a problem (dispatch.h: the static variant select_fwd_variant picks and its
+// sm80_tile_config), whatever this build compiled: the roofline model of explain(gpu=...) needs it on
+// machines without a GPU too.  The problem is given by its shape and flags, as a plan reports them.
+py::dict gpu_tile_config(int head_dim, bool causal, int max_smem_per_block_optin, int64_t seqlen_q, int64_t seqlen_k,
+                         bool varlen, bool local, bool alibi, bool softcap, int num_splits, bool dropout) {
   int const hd = gpu_head_dim_for(head_dim);
   TORCH_CHECK_VALUE(hd > 0, "gpu_tile_config: head_dim ", head_dim, " is above the largest GPU tile (256)");
-  TileConfig const t = sm80_tile_config(hd, causal, smem_budget_for(max_smem_per_block_optin));
+  TORCH_CHECK_VALUE(seqlen_q >= 0 && seqlen_k >= 0 && num_splits >= 1, "gpu_tile_config: seqlen_q ", seqlen_q,
+                    ", seqlen_k ", seqlen_k, ", num_splits ", num_splits, ": lengths must be >= 0 and splits >= 1");
+  // Only the fields problem_flags reads; the pointers stand for "present" and are never dereferenced.
+  static int const kPresent = 0;
+  FwdParams p{};
+  p.seqlen_q = int(seqlen_q), p.seqlen_k = int(seqlen_k), p.d = head_dim;
+  p.cu_seqlens_q = varlen ? &kPresent : nullptr;
+  p.is_local = local, p.softcap = softcap ? 1.f : 0.f, p.num_splits = num_splits, p.is_dropout = dropout;
+  p.alibi_slopes_ptr = alibi ? reinterpret_cast<float const*>(&kPresent) : nullptr;
+  SmemBudget const budget = smem_budget_for(max_smem_per_block_optin);
+  int const variant = select_fwd_variant(p, hd, causal, budget);
+  TORCH_CHECK_VALUE(variant >= 0, "gpu_tile_config: no static variant admits causal=", causal, " local=", local);
+  TileConfig const t = sm80_tile_config(hd, variant, budget);
   py::dict d;
   d["head_dim_tile"] = hd, d["block_m"] = t.block_m, d["block_n"] = t.block_n, d["num_warps"] = t.num_warps;
-  d["threads"] = 32 * t.num_warps, d["smem_bytes"] = tile_smem_bytes(t, hd);
+  d["threads"] = 32 * t.num_warps, d["smem_bytes"] = tile_smem_bytes(t, hd), d["variant"] = kVariants[variant].name;
   return d;
 }
 
@@ -235,8 +249,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("num_splits") = 0,
         py::arg("dropout_p") = 0.0);
   m.def("gpu_tile_config", &gpu_tile_config,
-        "The CUDA kernel's tile (block_m, block_n, warps, smem) for a head dim, from dispatch.h.",
-        py::arg("head_dim"), py::arg("causal"), py::arg("max_smem_per_block_optin") = 163 * 1024);
+        "The CUDA kernel's static variant and tile (block_m, block_n, warps, smem) for a problem, from dispatch.h.",
+        py::arg("head_dim"), py::arg("causal"), py::arg("max_smem_per_block_optin"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("varlen"), py::arg("local"), py::arg("alibi"), py::arg("softcap"),
+        py::arg("num_splits"), py::arg("dropout"));
   m.def("num_splits_heuristic",
         [](int ctas, int processors, int n_blocks) {
           return num_splits_heuristic(ctas, processors, n_blocks, int(ops::kMaxSplits));

@@ -272,13 +272,25 @@ def predict_plan(plan: Dict[str, Any], gpu: GpuSpec, requested_splits: int = 0) 
         block_m, block_n = plan["block_m"], plan["block_n"]
         num_warps, hd_tile, splits = plan["threads_per_cta"] // 32, plan["head_dim_tile"], plan["num_splits"]
     else:
-        t = _C.gpu_tile_config(prob["d"], causal, gpu.max_smem_per_block_optin)
-        block_m, block_n, num_warps, hd_tile = t["block_m"], t["block_n"], t["num_warps"], t["head_dim_tile"]
+        flags = plan["flags"]
+
+        def tile(num_splits: int) -> Dict[str, Any]:
+            # The variant (and with it the warps) depends on the split count; the M x N tile does not.
+            return _C.gpu_tile_config(prob["d"], causal, gpu.max_smem_per_block_optin, prob["seqlen_q"],
+                                      prob["seqlen_k"], bool(plan.get("varlen", False)),
+                                      bool(flags.get("local", False)), bool(flags.get("alibi", False)),
+                                      bool(flags.get("softcap", False)), num_splits,
+                                      bool(flags.get("dropout", False)))
+
+        t = tile(1)
         if requested_splits > 0:
             splits = requested_splits
         else:
-            ctas = prob["b"] * prob["h"] * math.ceil(prob["seqlen_q"] / block_m)
-            splits = _C.num_splits_heuristic(ctas, gpu.sms, math.ceil(prob["seqlen_k"] / block_n))
+            ctas = prob["b"] * prob["h"] * math.ceil(prob["seqlen_q"] / t["block_m"])
+            splits = _C.num_splits_heuristic(ctas, gpu.sms, math.ceil(prob["seqlen_k"] / t["block_n"]))
+        if splits > 1:
+            t = tile(splits)
+        block_m, block_n, num_warps, hd_tile = t["block_m"], t["block_n"], t["num_warps"], t["head_dim_tile"]
     return predict(prob["b"], prob["h"], prob["h_k"], prob["seqlen_q"], prob["seqlen_k"], prob["d"], gpu,
                    block_m, block_n, num_warps, hd_tile, window_left, window_right, splits,
                    min(prob["element_size"], 2), causal=causal)
@@ -318,10 +330,13 @@ def _decode_tiles_table(gpus: List[str]) -> str:
     for name in gpus:
         spec = gpu_spec(name)
         for b, sk in ((1, 8192), (8, 8192), (8, 65536)):
+            # dispatch.h's tile for the step (split, so the "uneven" variant's), to mark the row it runs.
+            cur = _C.gpu_tile_config(128, False, spec.max_smem_per_block_optin, 4, sk, False, False, False, False,
+                                     2, False)
             for bm, bn, warps in ((128, 64, 8), (64, 64, 4), (16, 64, 1)):
                 splits = _C.num_splits_heuristic(b * 8 * math.ceil(4 / bm), spec.sms, math.ceil(sk / bn))
                 r = predict(b, 8, 8, 4, sk, 128, spec, bm, bn, warps, 128, num_splits=splits)
-                today = " (today)" if (bm, bn, warps) == (128, 64, 8) else ""
+                today = " (today)" if (bm, bn, warps) == (cur["block_m"], cur["block_n"], cur["num_warps"]) else ""
                 rows.append(f"| {name} | {b}, {sk} | {bm} x {bn} / {warps}{today} | {splits} | {r.time * 1e6:.1f} | "
                             f"{r.bound} | {r.t_tensor * 1e6:.1f} / {r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / "
                             f"{r.t_schedule * 1e6:.1f} |")

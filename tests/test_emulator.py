@@ -54,11 +54,18 @@ def assert_clean(context: str, variant: str | None = None, ran: bool = True) -> 
     assert r, f"{context}: no emulated launch recorded"
     assert r["findings"] == 0 and not any(r["counts"].values()), f"{context}: {json.dumps(r, indent=1)}"
     s = r["stats"]
-    # Sm80 CTAs have 256 threads; a split-KV launch adds the combine kernel's CTAs of 128.
+    # Sm80 CTAs have 32 x warps threads (the 4th argument of the traits in the kernel's name: 4 or 8 by
+    # variant); a split-KV launch adds the combine kernel's CTAs of 128.
+    warps = {int(k.split("<")[1].split(",")[3]) for k in r["kernels"] if k.startswith("Sm80Traits<")}
+    assert len(warps) == 1 and warps <= {4, 8}, f"{context}: ran {r['kernels']}"
+    cta_threads = 32 * warps.pop()
     combine = any(k.startswith("combine_kernel") for k in r["kernels"])
-    sm80_ctas = (s["threads"] - 128 * s["ctas"]) // 128 if combine else s["ctas"]
-    assert 0 < sm80_ctas <= s["ctas"] and s["threads"] == 256 * sm80_ctas + 128 * (s["ctas"] - sm80_ctas), \
-        f"{context}: {s}"
+    if combine and cta_threads == 128:  # both kernels' CTAs have 128 threads
+        assert s["ctas"] > 1 and s["threads"] == 128 * s["ctas"], f"{context}: {s}"
+    else:
+        sm80_ctas = (s["threads"] - 128 * s["ctas"]) // (cta_threads - 128) if combine else s["ctas"]
+        assert 0 < sm80_ctas <= s["ctas"] and \
+            s["threads"] == cta_threads * sm80_ctas + 128 * (s["ctas"] - sm80_ctas), f"{context}: {s}"
     if ran:
         assert s["ldmatrix"] > 0 and s["mma"] > 0 and s["cp_async"] > 0 and s["barriers"] > 0, f"{context}: {s}"
     if variant is not None:
@@ -238,7 +245,10 @@ def test_emulate_switch_and_explain() -> None:
     assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"]
     with flash_ext.emulate():
         plan = flash_ext.explain(q, k, v, verbose=False).plan
-        assert plan["emulated"] and plan["threads_per_cta"] == 256 and "emulated sm_80" in plan["device"]
+        # 40 x 50 runs the "uneven" variant: 4 warps x 32 rows up to head dim 64, else 8 warps x 16 rows
+        # (dispatch.h's sm80_num_warps, chosen by what fits in registers without spills).
+        assert plan["emulated"] and plan["variant"] == "uneven" and "emulated sm_80" in plan["device"]
+        assert plan["threads_per_cta"] == (128 if plan["head_dim_tile"] <= 64 else 256)
         fp32 = flash_ext.explain(q.float(), k.float(), v.float(), verbose=False).plan
         assert not fp32["emulated"] and fp32["backend"].startswith("host traits"), "fp32 stays on the host"
     assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"], "the context manager restores"

@@ -33,15 +33,6 @@ namespace {
 
 using Built = CompiledHeadDims<FLASH_EXT_GPU_HEADDIMS_MASK>;
 
-template <int kHeadDim, class Element, bool kCausal>
-void fill_plan(CudaPlan& plan, FwdParams const& params, SmemBudget budget) {
-  if (Sm80Fwd<kHeadDim, Element, kCausal>::kBudgetMatters && budget == SmemBudget::kSm86) {
-    fill_fwd_plan<typename Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm86>::Traits>(plan, params, kCausal);
-  } else {
-    fill_fwd_plan<typename Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm80>::Traits>(plan, params, kCausal);
-  }
-}
-
 // Split-KV combine: one thread per (query row, kCombineCols output columns), geometry and per-thread work in
 // grid.h and combine.h (shared with the warp emulator).
 template <class Element>
@@ -72,9 +63,7 @@ CudaPlan plan_fwd_cuda(FwdParams const& params, DType dtype, int cc_major, int c
                Built::list() + "); rebuild with FLASH_EXT_HEADDIMS including a head dim >= " + std::to_string(params.d);
     return plan;
   }
-  visit_gpu_instantiation(hd, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
-    fill_plan<HD, Element, Causal>(plan, params, smem_budget_for(max_smem_optin));
-  });
+  fill_fwd_plan(plan, params, hd, params.is_causal, smem_budget_for(max_smem_optin));
   return plan;
 }
 

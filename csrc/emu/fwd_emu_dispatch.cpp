@@ -53,9 +53,7 @@ CudaPlan plan_fwd_emu(FwdParams const& params, DType dtype) {
     plan.why = head_dim_unavailable(params.d);
     return plan;
   }
-  visit_gpu_instantiation(hd, dtype, params.is_causal, [&]<int HD, class Element, bool Causal>() {
-    fill_fwd_plan<typename EmuFwd<HD, Element, Causal>::Traits>(plan, params, Causal);
-  });
+  fill_fwd_plan(plan, params, hd, params.is_causal, kEmuBudget);
   return plan;
 }
 

@@ -27,11 +27,8 @@ namespace flash_ext::emu {
 inline constexpr SmemBudget kEmuBudget = SmemBudget::kSm80;
 
 // Sm80Fwd of launch_sm80.cuh with the emulated policy.
-template <int kHeadDim, class Element, bool kCausal, SmemBudget kBudget = kEmuBudget>
-struct EmuFwd {
-  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kCausal, kBudget);
-  using Traits = Sm80Traits<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, Element, EmuSm80Arch>;
-};
+template <int kHeadDim, class Element>
+using EmuFwd = Sm80FwdTiles<kHeadDim, Element, kEmuBudget, EmuSm80Arch>;
 
 // flash_fwd_kernel<Traits, Flags><<<grid, kNThreads, kSmemBytes>>>: every block of the grid, on the emulator.
 template <class Traits, class Flags>
@@ -82,14 +79,19 @@ std::string launch_combine_emu(FwdParams const& params, EmuLaunch& launch) {
       });
 }
 
-template <class Traits, bool kCausal, int kVariant = 0>
-std::string launch_variant_emu(FwdParams const& params, EmuLaunch& launch, int variant, std::string const& name) {
+template <class Fwd, bool kCausal, int kVariant = 0>
+std::string launch_variant_emu(FwdParams const& params, EmuLaunch& launch, int variant) {
   if constexpr (kVariant < kNumVariants) {
     if (variant == kVariant) {
-      return launch_fwd_emu<Traits, VariantFlags<kVariant, kCausal>>(params, launch,
-                                                                      name + ", variant " + kVariants[kVariant].name);
+      using Traits = typename Fwd::template Traits<kVariant>;
+      using Element = typename Traits::Element;
+      std::string const name = "Sm80Traits<" + std::to_string(Traits::kHeadDim) + ", " + std::to_string(Traits::kBlockM) +
+                               ", " + std::to_string(Traits::kBlockN) + ", " + std::to_string(Traits::kNWarps) + ", " +
+                               (std::is_same_v<Element, cutlass::half_t> ? "fp16" : "bf16") + ", EmuSm80Arch>" +
+                               (kCausal ? " causal" : "") + ", variant " + kVariants[kVariant].name;
+      return launch_fwd_emu<Traits, VariantFlags<kVariant, kCausal>>(params, launch, name);
     }
-    return launch_variant_emu<Traits, kCausal, kVariant + 1>(params, launch, variant, name);
+    return launch_variant_emu<Fwd, kCausal, kVariant + 1>(params, launch, variant);
   } else {
     return "no compiled variant admits this problem";
   }
@@ -99,13 +101,9 @@ std::string launch_variant_emu(FwdParams const& params, EmuLaunch& launch, int v
 // Explicitly instantiated once per (head dim, dtype, causal) in csrc/emu/generated/.
 template <int kHeadDim, class Element, bool kCausal>
 std::string run_fwd_emu_sm80(FwdParams const& params, EmuLaunch& launch) {
-  using Traits = typename EmuFwd<kHeadDim, Element, kCausal>::Traits;
-  int const variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
-  std::string const name = "Sm80Traits<" + std::to_string(kHeadDim) + ", " + std::to_string(Traits::kBlockM) + ", " +
-                           std::to_string(Traits::kBlockN) + ", " + std::to_string(Traits::kNWarps) + ", " +
-                           (std::is_same_v<Element, cutlass::half_t> ? "fp16" : "bf16") + ", EmuSm80Arch>" +
-                           (kCausal ? " causal" : "");
-  std::string err = launch_variant_emu<Traits, kCausal>(params, launch, variant, name);
+  using Fwd = EmuFwd<kHeadDim, Element>;
+  std::string err = launch_variant_emu<Fwd, kCausal>(params, launch,
+                                                     select_fwd_variant(params, kHeadDim, kCausal, Fwd::kBudget));
   if (err.empty() && params.num_splits > 1) { err = launch_combine_emu<Element>(params, launch); }
   return err;
 }

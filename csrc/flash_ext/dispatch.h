@@ -14,7 +14,7 @@
 namespace flash_ext {
 
 // ---------------------------------------------------------------------------------------------------
-// Tile configuration of the GPU kernel, one constexpr function of (head dim, causal, arch).
+// Tile configuration of the GPU kernel, one constexpr function of (head dim, static variant, arch).
 struct TileConfig {
   int block_m, block_n, num_warps;
   constexpr bool operator==(TileConfig const&) const = default;
@@ -30,35 +30,93 @@ constexpr SmemBudget smem_budget_for(int max_smem_per_block_optin) {
 
 constexpr int tile_smem_bytes(TileConfig t, int head_dim) { return (t.block_m + 2 * t.block_n) * head_dim * 2; }
 
+// ---------------------------------------------------------------------------------------------------
+// Static flag combinations compiled into each (head dim, dtype, causal) file.  Each costs compile time for
+// every user, so the list is short: a fully static kernel for the common case, and general kernels that
+// keep the rare features as runtime branches.
+enum class FlagMode : unsigned char { kFalse, kTrue, kRuntime };
+
+struct Variant {
+  const char* name;
+  FlagMode even_mn, even_k, local, alibi, softcap, split, dropout;
+};
+
+inline constexpr Variant kVariants[] = {
+    // Tile-multiple sequence lengths, head dim equal to the tile's, no extras: no predicate anywhere.
+    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
+     FlagMode::kFalse},
+    // Any sequence length and head dim, plain or causal attention, split-KV or not: the usual inference
+    // and decode case.  Splitting only changes the tile range and the epilogue, so it costs no kernel.
+    {"uneven", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
+     FlagMode::kRuntime, FlagMode::kFalse},
+    // Local windows, ALiBi and softcap as runtime branches.
+    {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kRuntime, FlagMode::kFalse},
+    // Training: dropout with every other feature as a runtime branch, so one kernel per file admits every
+    // flash_attn feature combination with dropout.  The kernels without dropout contain no RNG code.
+    {"dropout", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kRuntime, FlagMode::kTrue},
+};
+inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
+
+// ---------------------------------------------------------------------------------------------------
+// The M x N tile of a head dim, the same for every static variant: the variant is picked from flags that
+// depend on the tile (even_mn), and the split heuristic counts K/V tiles before any variant is chosen.
 // Shared memory per CTA is (block_m + 2 * block_n) * head_dim * 2 bytes.  Reasoning:
 //  - 128 query rows per CTA: each K/V tile loaded into shared memory serves 128 rows, which halves the
 //    K/V bytes per query row (L2 -> SM traffic) compared with 64.
-//  - 8 warps own 16-row slabs.  The accumulators per thread are block_m * (block_n + head_dim) / 256
-//    floats.  With 4 warps (twice that) every head dim reached 255 registers once the runtime-flag variant
-//    carries ALiBi, softcap, local windows and split-KV, and nvcc 13.0 spilled (hd 64: 78 bytes, hd 128: 6,
-//    hd 256: 30); with 8 warps none spills (docs/kernels.md).  Registers of the worst kernel: 167-181 at
-//    hd 32, ~210 at hd 64, 213-224 at hd 96, 233-243 at hd 128, and 255 at hd 192/256: no headroom there,
-//    so a change to the body is re-checked with scripts/compile_all.sh (hd 256 spilled 2-12 bytes until
-//    softcap used tanh.approx and the epilogue stopped keeping loop-invariant values live).
-//  - At <= 255 registers x 256 threads one CTA fits an SM's 64K registers: 8 warps per SM overlap MMA,
-//    exp2 and cp.async.  block_n trades the S accumulators (and smem) against barriers per K/V byte.
-constexpr TileConfig sm80_tile_config(int head_dim, bool /*causal*/, SmemBudget /*budget*/ = SmemBudget::kSm80) {
-  // 128 x 128 reached 255 registers and spilled 4 bytes on sm_90 in its runtime-flag variant.
-  if (head_dim <= 32) { return {128, 64, 8}; }    // 8 KB + 8 KB smem; 32 + 16 accumulators
-  if (head_dim <= 64) { return {128, 64, 8}; }    // 16 KB + 16 KB; 32 + 32 accumulators
-  if (head_dim <= 96) { return {128, 64, 8}; }    // 24 KB + 24 KB; 32 + 48 accumulators
-  if (head_dim <= 128) { return {128, 64, 8}; }   // 32 KB + 32 KB; 32 + 64 accumulators
-  if (head_dim <= 192) { return {128, 64, 8}; }   // 48 KB + 48 KB; 32 + 96 accumulators
-  // 128 x 64 spilled 30 bytes in its runtime-flag variant; 32-key tiles halve S and fit 99 KB, so one
-  // config serves every sm_8x/sm_90 part.
-  return {128, 32, 8};                            // 64 KB + 32 KB; 16 + 128 accumulators
+//  - block_n trades the S accumulators (and smem) against barriers per K/V byte.
+//  - 128 x 128 reached 255 registers and spilled 4 bytes on sm_90 in its runtime-flag variant.
+//  - Head dim 256: 128 x 64 spilled 30 bytes in its runtime-flag variant; 32-key tiles halve S and fit 99 KB,
+//    so one config serves every sm_8x/sm_90 part.
+struct BlockShape {
+  int block_m, block_n;
+};
+constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = SmemBudget::kSm80) {
+  if (head_dim <= 192) { return {128, 64}; }  // hd 32..192: 8-48 KB of Q + 8-48 KB of K and V
+  return {128, 32};                           // hd 256: 64 KB + 32 KB
+}
+
+// Warps per CTA, per static variant.  A warp owns kBlockM / num_warps rows, in 16-row MMA slabs.
+//  - Shared-memory feed: every warp reads all of K and V from shared memory for each tile (ldmatrix), so
+//    per K/V tile a warp moves (its Q rows + 2 N) x d x 2 bytes for its rows x N x d FMA.  4 warps x 32 rows
+//    reuse each K/V fragment for two slabs: 10.7 FMA per shared byte at 128 x 64 against 6.4 with 8 warps
+//    x 16 rows, which is below what the tensor cores consume (8.0 on sm_80, 10.7 on sm_90;
+//    scripts/kernel_report.py's FEED_BAR, docs/kernels.md).
+//  - Registers: the accumulators per thread are block_m * (block_n + head_dim) / (32 * num_warps) floats,
+//    twice as many with 4 warps.  Measured with nvcc 13.0 (sm_80 and sm_90, bf16, 2026-12-02): 4 warps
+//    fit in 255 registers without spills for the "even" and "uneven" variants at hd 32 and 64 (208-255
+//    registers) and for "even" at hd 96 (254-255); the others spill with 4 warps (stack bytes: hd 64
+//    "general" 32-40, "dropout" 80; hd 96 "uneven" 8 on sm_90; hd 128 every variant, 32-440, and at
+//    128 x 32 "general"/"dropout" 8/72), so they keep 8 warps x 16 rows (docs/kernels.md has the table;
+//    the 8-warp kernels use up to 255 registers at hd 192/256 -- no headroom there, so a change to the
+//    body is re-checked with scripts/compile_all.sh).
+//  - At <= 255 registers one CTA of 8 warps fills an SM's 64K registers; a 4-warp CTA leaves room for a
+//    second one where shared memory allows (hd <= 96 at 163 KB), so 8 warps per SM overlap MMA, exp2 and
+//    cp.async in both cases.
+constexpr int sm80_num_warps(int head_dim, Variant v) {
+  bool const lean = v.local == FlagMode::kFalse && v.alibi == FlagMode::kFalse && v.softcap == FlagMode::kFalse &&
+                    v.dropout == FlagMode::kFalse;
+  bool const fully_static = lean && v.even_mn == FlagMode::kTrue && v.even_k == FlagMode::kTrue &&
+                            v.split == FlagMode::kFalse;
+  if (head_dim <= 64 && lean) { return 4; }
+  if (head_dim <= 96 && fully_static) { return 4; }
+  return 8;
+}
+
+constexpr TileConfig sm80_tile_config(int head_dim, int variant, SmemBudget budget = SmemBudget::kSm80) {
+  BlockShape const b = sm80_block_shape(head_dim, budget);
+  return {b.block_m, b.block_n, sm80_num_warps(head_dim, kVariants[variant])};
 }
 
 constexpr bool tile_configs_fit() {
   for (int hd : {32, 64, 96, 128, 192, 256}) {
-    for (bool causal : {false, true}) {
+    for (int v = 0; v < kNumVariants; ++v) {
       for (SmemBudget b : {SmemBudget::kSm80, SmemBudget::kSm86}) {
-        if (tile_smem_bytes(sm80_tile_config(hd, causal, b), hd) > int(b)) { return false; }
+        TileConfig const t = sm80_tile_config(hd, v, b);
+        if (tile_smem_bytes(t, hd) > int(b)) { return false; }
+        // Each warp owns whole 16-row MMA slabs (Sm80Traits).
+        if (t.block_m % (16 * t.num_warps) != 0) { return false; }
       }
     }
   }
@@ -91,35 +149,6 @@ bool visit_head_dim(int hd, Fn&& fn) {
   }
 }
 static_assert(sizeof(kGpuHeadDims) / sizeof(kGpuHeadDims[0]) == 6, "visit_head_dim names every head dim");
-
-// ---------------------------------------------------------------------------------------------------
-// Static flag combinations compiled into each (head dim, dtype, causal) file.  Each costs compile time for
-// every user, so the list is short: a fully static kernel for the common case, and general kernels that
-// keep the rare features as runtime branches.
-enum class FlagMode : unsigned char { kFalse, kTrue, kRuntime };
-
-struct Variant {
-  const char* name;
-  FlagMode even_mn, even_k, local, alibi, softcap, split, dropout;
-};
-
-inline constexpr Variant kVariants[] = {
-    // Tile-multiple sequence lengths, head dim equal to the tile's, no extras: no predicate anywhere.
-    {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
-     FlagMode::kFalse},
-    // Any sequence length and head dim, plain or causal attention, split-KV or not: the usual inference
-    // and decode case.  Splitting only changes the tile range and the epilogue, so it costs no kernel.
-    {"uneven", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
-     FlagMode::kRuntime, FlagMode::kFalse},
-    // Local windows, ALiBi and softcap as runtime branches.
-    {"general", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
-     FlagMode::kRuntime, FlagMode::kFalse},
-    // Training: dropout with every other feature as a runtime branch, so one kernel per file admits every
-    // flash_attn feature combination with dropout.  The kernels without dropout contain no RNG code.
-    {"dropout", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
-     FlagMode::kRuntime, FlagMode::kTrue},
-};
-inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
 // Pruning rule: a causal file never compiles the local-window branch (the op layer turns "causal plus a
 // finite left window" into a local problem, which runs the non-causal file).
@@ -180,6 +209,14 @@ static_assert(select_variant(false, {true, true, false, false, false, false, tru
 static_assert(select_variant(false, {false, false, true, true, true, true, true}) == 3 &&
                   select_variant(true, {false, false, false, true, true, true, true}) == 3,
               "every feature combination has a dropout kernel");
+
+// The static variant a problem runs in the file of head dim tile head_dim (all its variants share one
+// M x N tile, so even_mn is known before the variant is).
+CUTE_HOST_DEVICE constexpr int select_fwd_variant(FwdParams const& p, int head_dim, bool causal,
+                                                  SmemBudget budget = SmemBudget::kSm80) {
+  BlockShape const b = sm80_block_shape(head_dim, budget);
+  return select_variant(causal, problem_flags(p, b.block_m, b.block_n, head_dim));
+}
 
 template <FlagMode M>
 using FlagType = std::conditional_t<M == FlagMode::kRuntime, bool, cute::C<M == FlagMode::kTrue>>;

@@ -68,17 +68,20 @@ inline std::string cuda_refusal(int cc_major, int cc_minor, DType dtype) {
   return {};
 }
 
-// The forward plan of traits Traits for a problem (the CUDA dispatcher's and the emulator's).
-template <class Traits>
-void fill_fwd_plan(CudaPlan& plan, FwdParams const& params, bool causal) {
-  plan.head_dim = Traits::kHeadDim;
-  plan.block_m = Traits::kBlockM;
-  plan.block_n = Traits::kBlockN;
-  plan.num_warps = Traits::kNWarps;
-  plan.smem_bytes = Traits::kSmemBytes;
-  plan.variant = select_variant(causal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
+// The forward plan of the (head dim tile, causal) file for a problem (the CUDA dispatcher's and the
+// emulator's): the static variant that runs it and that variant's tile (dispatch.h).
+inline void fill_fwd_plan(CudaPlan& plan, FwdParams const& params, int head_dim, bool causal, SmemBudget budget) {
+  plan.head_dim = head_dim;
+  plan.variant = select_fwd_variant(params, head_dim, causal, budget);
   plan.variant_name = plan.variant >= 0 ? kVariants[plan.variant].name : "";
-  plan.grid = fwd_grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.b, params.h, params.num_splits);
+  BlockShape const shape = sm80_block_shape(head_dim, budget);
+  TileConfig const tile = plan.variant >= 0 ? sm80_tile_config(head_dim, plan.variant, budget)
+                                            : TileConfig{shape.block_m, shape.block_n, 0};
+  plan.block_m = tile.block_m;
+  plan.block_n = tile.block_n;
+  plan.num_warps = tile.num_warps;
+  plan.smem_bytes = tile_smem_bytes(tile, head_dim);
+  plan.grid = fwd_grid(ceil_div(params.seqlen_q, tile.block_m), params.b, params.h, params.num_splits);
   plan.ok = plan.variant >= 0 && grid_error(plan.grid) == nullptr;
   if (plan.variant < 0) { plan.why = "no compiled flag variant admits this problem"; }
   if (char const* why = grid_error(plan.grid)) { plan.why = std::string("cannot launch: ") + why; }

@@ -14,14 +14,8 @@
 
 namespace flash_ext {
 
-template <int kHeadDim, class Element, bool kCausal, SmemBudget kBudget = SmemBudget::kSm80>
-struct Sm80Fwd {
-  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kCausal, kBudget);
-  using Traits = Sm80Traits<kHeadDim, kTile.block_m, kTile.block_n, kTile.num_warps, Element>;
-  // A smaller shared-memory budget only adds kernels where it changes the tile.
-  static constexpr bool kBudgetMatters =
-      sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm86) != sm80_tile_config(kHeadDim, kCausal, SmemBudget::kSm80);
-};
+template <int kHeadDim, class Element, SmemBudget kBudget = SmemBudget::kSm80>
+using Sm80Fwd = Sm80FwdTiles<kHeadDim, Element, kBudget, Sm80Arch>;
 
 // One CTA per (m_block, batch, head, split), laid out and decoded by grid.h.
 template <class Traits, class Flags>
@@ -46,32 +40,33 @@ std::string launch_fwd(FwdParams const& params, cudaStream_t stream) {
   return err == cudaSuccess ? std::string() : std::string("kernel launch: ") + cudaGetErrorString(err);
 }
 
-template <class Traits, bool kCausal, int kVariant = 0>
+template <class Fwd, bool kCausal, int kVariant = 0>
 std::string launch_variant(FwdParams const& params, cudaStream_t stream, int variant) {
   if constexpr (kVariant < kNumVariants) {
-    if (variant == kVariant) { return launch_fwd<Traits, VariantFlags<kVariant, kCausal>>(params, stream); }
-    return launch_variant<Traits, kCausal, kVariant + 1>(params, stream, variant);
+    if (variant == kVariant) {
+      return launch_fwd<typename Fwd::template Traits<kVariant>, VariantFlags<kVariant, kCausal>>(params, stream);
+    }
+    return launch_variant<Fwd, kCausal, kVariant + 1>(params, stream, variant);
   } else {
     return "no compiled variant admits this problem";
   }
 }
 
-template <class Traits, bool kCausal>
-std::string run_traits(FwdParams const& params, cudaStream_t stream) {
-  int const variant = select_variant(kCausal, problem_flags(params, Traits::kBlockM, Traits::kBlockN, Traits::kHeadDim));
-  return launch_variant<Traits, kCausal>(params, stream, variant);
+template <class Fwd, bool kCausal>
+std::string run_tiles(FwdParams const& params, cudaStream_t stream) {
+  return launch_variant<Fwd, kCausal>(params, stream, select_fwd_variant(params, Fwd::kHeadDim, kCausal, Fwd::kBudget));
 }
 
 // Explicitly instantiated once per (head dim, dtype, causal) in the generated files.
 template <int kHeadDim, class Element, bool kCausal>
 std::string run_fwd_sm80(FwdParams const& params, cudaStream_t stream, SmemBudget budget) {
-  using Fwd = Sm80Fwd<kHeadDim, Element, kCausal>;
+  using Fwd = Sm80Fwd<kHeadDim, Element>;
   if constexpr (Fwd::kBudgetMatters) {
     if (budget == SmemBudget::kSm86) {
-      return run_traits<typename Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm86>::Traits, kCausal>(params, stream);
+      return run_tiles<Sm80Fwd<kHeadDim, Element, SmemBudget::kSm86>, kCausal>(params, stream);
     }
   }
-  return run_traits<typename Fwd::Traits, kCausal>(params, stream);
+  return run_tiles<Fwd, kCausal>(params, stream);
 }
 
 }  // namespace flash_ext

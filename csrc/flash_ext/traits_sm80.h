@@ -13,6 +13,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "arch_sm80.h"
+#include "dispatch.h"
 #include "traits_sm80_common.h"
 
 namespace flash_ext {
@@ -82,6 +83,28 @@ struct Sm80Traits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 32> 
     x = op(x, Arch::shfl_xor(x, 1));
     return x;
   }
+};
+
+// The forward instantiations of one (head dim, dtype) file: the traits of each static variant (dispatch.h's
+// tile for it), all of one M x N shape, so the variant is picked from flags computed with that shape.  Arch
+// is Sm80Arch on the GPU and the emulated policy under the warp emulator: same tiles for both.
+template <int kHeadDim_, class Element, SmemBudget kBudget_, class Arch>
+struct Sm80FwdTiles {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr SmemBudget kBudget = kBudget_;
+  template <int kVariant>
+  using Traits = Sm80Traits<kHeadDim, sm80_tile_config(kHeadDim, kVariant, kBudget).block_m,
+                            sm80_tile_config(kHeadDim, kVariant, kBudget).block_n,
+                            sm80_tile_config(kHeadDim, kVariant, kBudget).num_warps, Element, Arch>;
+  // A smaller shared-memory budget only adds kernels where it changes a tile.
+  static constexpr bool kBudgetMatters = [] {
+    for (int v = 0; v < kNumVariants; ++v) {
+      if (sm80_tile_config(kHeadDim, v, SmemBudget::kSm86) != sm80_tile_config(kHeadDim, v, SmemBudget::kSm80)) {
+        return true;
+      }
+    }
+    return false;
+  }();
 };
 
 }  // namespace flash_ext
