@@ -38,7 +38,11 @@ struct FaultArch : EmuSm80Arch {
   }
 };
 
-using Base = Sm80Traits<64, 128, 64, 8, cutlass::half_t, FaultArch>;
+// The tile dispatch.h gives the variant launched below ("uneven", head dim 64: 4 warps x 32 rows), so the
+// faults are planted in the kernel a GPU would run.
+constexpr int kVariant = 1;
+constexpr TileConfig kTile = sm80_tile_config(64, kVariant);
+using Base = Sm80Traits<64, kTile.block_m, kTile.block_n, kTile.num_warps, cutlass::half_t, FaultArch>;
 
 // The traits with one layout decision of the GPU path done wrong.  Every type the kernel reads from the
 // traits and that the fault changes is redefined here (the base's aliases would otherwise stay).
@@ -87,7 +91,8 @@ struct Traits : Base {
 #define FLASH_EXT_EMU_FAULT_FN(n) FLASH_EXT_EMU_FAULT_FN_(n)
 
 std::string FLASH_EXT_EMU_FAULT_FN(FLASH_EXT_EMU_FAULT)(FwdParams const& params, EmuLaunch& launch) {
-  return launch_fwd_emu<Traits, VariantFlags<1, false>>(params, launch, std::string("fault: ") + fault_name(kFault));
+  return launch_fwd_emu<Traits, VariantFlags<kVariant, false>>(params, launch,
+                                                               std::string("fault: ") + fault_name(kFault));
 }
 
 }  // namespace flash_ext::emu::faults
