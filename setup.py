@@ -17,6 +17,9 @@ Knobs (environment variables):
                             runs on any CPU of its architecture; the CPU backend's micro-kernels are compiled for
                             every x86-64 level anyway and chosen at run time, see csrc/flash_ext/host_isa.h).
                             "native" ties the build to CPUs like the build machine's (SIGILL elsewhere).
+  FLASH_EXT_GPU_FWD_WARPS   "8": every forward variant on 8 warps x 16 rows (the tiles before dispatch.h gave the
+                            lean variants 4 warps x 32 rows): a baseline build to benchmark side by side with a
+                            default one (scripts/gpu_check.sh); unset (default): dispatch.h's warps per variant.
   FLASH_EXT_PTXAS_VERBOSE   "1": pass -Xptxas=-v (register/spill report per kernel, read by scripts/kernel_report.py).
   CUTLASS_INCLUDE_DIR       CUTLASS/CuTe headers; else third_party/cutlass/include; else pip nvidia-cutlass==4.2.0.0.
   CUDA_HOME                 CUDA toolkit (default /usr/local/cuda when present).
@@ -127,6 +130,12 @@ def build_extension():
            "-fopenmp"]
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
+    fwd_warps = os.environ.get("FLASH_EXT_GPU_FWD_WARPS", "").strip()
+    if fwd_warps not in ("", "8"):
+        sys.exit(f"flash_ext: FLASH_EXT_GPU_FWD_WARPS={fwd_warps!r}: only \"8\" (the 8-warp baseline tiles) or unset")
+    # The module and the emulator report and run the same tiles as the CUDA units: the knob goes to both.
+    warps_macro = [f"-DFLASH_EXT_GPU_FWD_WARPS={fwd_warps}"] if fwd_warps else []
+    cxx += warps_macro
     # The op layer (one file per op family), the pybind module, and the CPU backend.
     sources = ([ROOT / "csrc" / "module.cpp"] + sorted((ROOT / "csrc" / "ops").glob("*.cpp"))
                + sorted((ROOT / "csrc" / "host").glob("*.cpp")))
@@ -171,7 +180,7 @@ def build_extension():
     print(f"flash_ext: CUDA build, archs {archs}, GPU head dims {head_dims} (backward {bwd_head_dims}), MAX_JOBS {os.environ['MAX_JOBS']}")
     return cpp_extension.CUDAExtension(
         "flash_ext._C", heaviest_first(sources), include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros}, extra_link_args=["-fopenmp"],
+        extra_compile_args={"cxx": cxx + macros, "nvcc": nvcc + macros + warps_macro}, extra_link_args=["-fopenmp"],
         py_limited_api=False)
 
 

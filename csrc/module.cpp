@@ -72,6 +72,8 @@ py::dict build_info() {
   info["host_head_dims"] = host;
   info["emulator"] = ops::emulator_built();
   info["emulator_head_dims"] = emulator_head_dims();
+  // The forward tiles' warps: dispatch.h's per-variant rule, or the 8-warp baseline (FLASH_EXT_GPU_FWD_WARPS).
+  info["gpu_fwd_warps"] = kBaselineFwdWarps != 0 ? "8 (baseline build)" : "per variant";
   // The CPU backend's instruction-set levels: compiled into this build, runnable on this CPU (else why not),
   // the best runnable one, and the one calls use (FLASH_EXT_CPU_ISA or set_cpu_isa, else the best).
   py::dict levels;

@@ -116,7 +116,8 @@ def test_explain_reports_the_gpu_roofline_from_a_cpu_tensor() -> None:
     # The GPU's tile, not the CPU plan's 16-row host tile; the 4 query heads of a group are 4 rows.  A split
     # 4-row problem runs the "uneven" variant: at head dim 64 its tile is 128 x 64 with 4 warps x 32 rows
     # (dispatch.h).
-    assert e.plan["block_m"] == 16 and (r.block_m, r.block_n, r.num_warps) == (128, 64, 4)
+    warps = 8 if flash_ext.build_info()["gpu_fwd_warps"].startswith("8") else 4  # 8: a baseline build
+    assert e.plan["block_m"] == 16 and (r.block_m, r.block_n, r.num_warps) == (128, 64, warps)
     assert e.plan["kernel_problem"]["seqlen_q"] == 4 and e.plan["kernel_problem"]["h"] == 8
     assert r.num_splits > 1  # 8 CTAs on 132 SMs are split
     assert "roofline" in str(e) and "H100" in str(e)

@@ -94,7 +94,17 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //  - At <= 255 registers one CTA of 8 warps fills an SM's 64K registers; a 4-warp CTA leaves room for a
 //    second one where shared memory allows (hd <= 96 at 163 KB), so 8 warps per SM overlap MMA, exp2 and
 //    cp.async in both cases.
+// Build knob FLASH_EXT_GPU_FWD_WARPS=8 (setup.py): every variant on 8 warps x 16 rows, the tiles before the
+// rule below, so that a second build can be benchmarked side by side with a default one (gpu_check.sh).
+#if defined(FLASH_EXT_GPU_FWD_WARPS)
+inline constexpr int kBaselineFwdWarps = FLASH_EXT_GPU_FWD_WARPS;
+static_assert(kBaselineFwdWarps == 8, "FLASH_EXT_GPU_FWD_WARPS only selects the 8-warp baseline");
+#else
+inline constexpr int kBaselineFwdWarps = 0;
+#endif
+
 constexpr int sm80_num_warps(int head_dim, Variant v) {
+  if (kBaselineFwdWarps != 0) { return kBaselineFwdWarps; }
   bool const lean = v.local == FlagMode::kFalse && v.alibi == FlagMode::kFalse && v.softcap == FlagMode::kFalse &&
                     v.dropout == FlagMode::kFalse;
   bool const fully_static = lean && v.even_mn == FlagMode::kTrue && v.even_k == FlagMode::kTrue &&
