@@ -93,9 +93,10 @@ struct Sm80FwdTiles {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr SmemBudget kBudget = kBudget_;
   template <int kVariant>
-  using Traits = Sm80Traits<kHeadDim, sm80_tile_config(kHeadDim, kVariant, kBudget).block_m,
-                            sm80_tile_config(kHeadDim, kVariant, kBudget).block_n,
-                            sm80_tile_config(kHeadDim, kVariant, kBudget).num_warps, Element, Arch>;
+  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kVariant, kBudget);
+  template <int kVariant>
+  using Traits = Sm80Traits<kHeadDim, kTile<kVariant>.block_m, kTile<kVariant>.block_n, kTile<kVariant>.num_warps,
+                            Element, Arch>;
   // A smaller shared-memory budget only adds kernels where it changes a tile.
   static constexpr bool kBudgetMatters = [] {
     for (int v = 0; v < kNumVariants; ++v) {
