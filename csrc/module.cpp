@@ -156,7 +156,7 @@ py::dict plan_to_dict(ops::Plan const& p) {
   if (!p.ok && p.backend.empty()) { return d; }
   d["device"] = p.device, d["backend"] = p.backend, d["head_dim"] = p.head_dim, d["head_dim_tile"] = p.head_dim_tile;
   d["block_m"] = p.block_m, d["block_n"] = p.block_n, d["threads_per_cta"] = p.threads_per_cta;
-  d["smem_bytes"] = p.smem_bytes, d["variant"] = p.variant;
+  d["smem_bytes"] = p.smem_bytes, d["ctas_per_sm"] = p.ctas_per_sm, d["variant"] = p.variant;
   d["grid"] = std::vector<int64_t>{p.grid[0], p.grid[1], p.grid[2]};
   d["num_splits"] = p.num_splits, d["varlen"] = p.varlen, d["emulated"] = p.emulated;
   py::dict flags;
@@ -197,6 +197,7 @@ py::dict gpu_tile_config(int head_dim, bool causal, int max_smem_per_block_optin
   py::dict d;
   d["head_dim_tile"] = hd, d["block_m"] = t.block_m, d["block_n"] = t.block_n, d["num_warps"] = t.num_warps;
   d["threads"] = 32 * t.num_warps, d["smem_bytes"] = tile_smem_bytes(t, hd), d["variant"] = kVariants[variant].name;
+  d["ctas_per_sm"] = sm80_ctas_per_sm(t, hd, budget);
   return d;
 }
 
@@ -261,6 +262,14 @@ PYBIND11_MODULE(_C, m) {
         },
         "The split-KV heuristic of dispatch.h (a pure function).", py::arg("ctas"), py::arg("processors"),
         py::arg("n_blocks"));
+  m.def("gpu_ctas_per_sm",
+        [](int block_m, int block_n, int num_warps, int head_dim, int max_smem_per_block_optin) {
+          TORCH_CHECK_VALUE(block_m > 0 && block_n > 0 && num_warps > 0 && head_dim > 0,
+                            "gpu_ctas_per_sm: sizes must be positive");
+          return sm80_ctas_per_sm({block_m, block_n, num_warps}, head_dim, smem_budget_for(max_smem_per_block_optin));
+        },
+        "Resident CTAs per SM of a tile (dispatch.h's sm80_ctas_per_sm, a pure function).", py::arg("block_m"),
+        py::arg("block_n"), py::arg("num_warps"), py::arg("head_dim"), py::arg("max_smem_per_block_optin"));
   m.def("set_cpu_isa", &set_cpu_isa,
         "Test hook: the CPU instruction-set level later calls use ('generic', 'avx2', 'avx512', 'avx512_bf16', "
         "'amx_bf16' or 'default'); returns the previous one; ValueError when this build or CPU lacks it.", py::arg("name"));

@@ -38,7 +38,8 @@ class Explanation:
               if p.get("cpu_isa") else []),
             f"head dim    {p['head_dim']} -> tile {p['head_dim_tile']}"
             + ("" if p["head_dim"] == p["head_dim_tile"] else " (padding predicated, even_k=no)"),
-            f"tile        {p['block_m']} x {p['block_n']} (query rows x keys), {p['threads_per_cta']} threads/CTA",
+            f"tile        {p['block_m']} x {p['block_n']} (query rows x keys), {p['threads_per_cta']} threads/CTA"
+            + ("" if p["backend"].startswith("host") else f", {p['ctas_per_sm']} CTA(s) resident per SM"),
             f"variant     {p['variant']}",
             f"flags       {flags}",
             f"window      {tuple(p['window'])} (after FA2 normalisation; -1 = unbounded)",
@@ -56,7 +57,7 @@ class Explanation:
             r = self.roofline
             lines += [
                 f"roofline    {r.gpu.name} (static model, unverified on GPU): tile {r.block_m} x {r.block_n}, "
-                f"{r.num_warps} warps, {r.num_splits} split(s), {r.ctas} CTAs",
+                f"{r.num_warps} warps, {r.num_splits} split(s), {r.ctas} CTAs, {r.ctas_per_sm} per SM",
                 f"            {r.time * 1e6:.1f} us predicted, bound by {r.bound}; tensor cores "
                 f"{r.t_tensor * 1e6:.1f} us, shared memory {r.t_smem * 1e6:.1f} us "
                 f"({r.fma_per_smem_byte:.1f} FMA/B, bar {r.gpu.fma_per_smem_byte_bar:.1f}), HBM "

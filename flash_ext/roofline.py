@@ -201,7 +201,8 @@ def predict(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, 
 
     `window_left/right` are after FA2 normalisation (causal = (-1, 0)); `causal` only chooses the useful-FLOP
     convention (defaults to window == (-1, 0)).  `ctas_per_sm` is 1 for every kernel whose registers x
-    threads exceed half an SM's 64K registers (all but the static head-dim-32 ones: docs/kernels.md).
+    threads exceed half an SM's 64K registers (the 8-warp tiles), 2 for the 4-warp ones and up to 8 for the
+    1-warp decode tile where shared memory allows (dispatch.h, sm80_ctas_per_sm; the plan's "ctas_per_sm").
     `q_in_regs` models a kernel that keeps Q in registers (Sm80Traits::kQInRegs; false today)."""
     if causal is None:
         causal = window_left < 0 and window_right == 0
@@ -271,6 +272,7 @@ def predict_plan(plan: Dict[str, Any], gpu: GpuSpec, requested_splits: int = 0) 
     if str(plan.get("backend", "")).startswith("Sm80"):
         block_m, block_n = plan["block_m"], plan["block_n"]
         num_warps, hd_tile, splits = plan["threads_per_cta"] // 32, plan["head_dim_tile"], plan["num_splits"]
+        ctas_per_sm = plan.get("ctas_per_sm", 1)
     else:
         flags = plan["flags"]
 
@@ -285,15 +287,16 @@ def predict_plan(plan: Dict[str, Any], gpu: GpuSpec, requested_splits: int = 0) 
         t = tile(1)
         if requested_splits > 0:
             splits = requested_splits
-        else:
+        else:  # set_splits (csrc/ops/common.cpp): the slots are SMs x resident CTAs of the tile
             ctas = prob["b"] * prob["h"] * math.ceil(prob["seqlen_q"] / t["block_m"])
-            splits = _C.num_splits_heuristic(ctas, gpu.sms, math.ceil(prob["seqlen_k"] / t["block_n"]))
+            splits = _C.num_splits_heuristic(ctas, gpu.sms * t["ctas_per_sm"], math.ceil(prob["seqlen_k"] / t["block_n"]))
         if splits > 1:
             t = tile(splits)
         block_m, block_n, num_warps, hd_tile = t["block_m"], t["block_n"], t["num_warps"], t["head_dim_tile"]
+        ctas_per_sm = t["ctas_per_sm"]
     return predict(prob["b"], prob["h"], prob["h_k"], prob["seqlen_q"], prob["seqlen_k"], prob["d"], gpu,
                    block_m, block_n, num_warps, hd_tile, window_left, window_right, splits,
-                   min(prob["element_size"], 2), causal=causal)
+                   min(prob["element_size"], 2), ctas_per_sm=ctas_per_sm, causal=causal)
 
 
 def _grid_table(gpus: List[str]) -> str:
@@ -321,8 +324,9 @@ def _grid_table(gpus: List[str]) -> str:
 
 
 def _decode_tiles_table(gpus: List[str]) -> str:
-    """What-if: a GQA decode step (32 query / 8 K/V heads = 4 rows per K/V head, d = 128, bf16) with today's
-    tile and two smaller ones, splits by dispatch.h's heuristic for each tile."""
+    """What-if: a GQA decode step (32 query / 8 K/V heads = 4 rows per K/V head, d = 128, bf16) with the
+    decode tile dispatch.h picks and two larger ones, each with its resident CTAs per SM and the splits
+    dispatch.h's heuristic gives it over that many slots."""
     from . import _C
 
     rows = ["| GPU | b, sk | tile (M x N / warps) | splits | predicted us | bound | "
@@ -330,12 +334,13 @@ def _decode_tiles_table(gpus: List[str]) -> str:
     for name in gpus:
         spec = gpu_spec(name)
         for b, sk in ((1, 8192), (8, 8192), (8, 65536)):
-            # dispatch.h's tile for the step (split, so the "uneven" variant's), to mark the row it runs.
+            # dispatch.h's tile for the step (4 rows: the "decode" variant's), to mark the row it runs.
             cur = _C.gpu_tile_config(128, False, spec.max_smem_per_block_optin, 4, sk, False, False, False, False,
                                      2, False)
             for bm, bn, warps in ((128, 64, 8), (64, 64, 4), (16, 64, 1)):
-                splits = _C.num_splits_heuristic(b * 8 * math.ceil(4 / bm), spec.sms, math.ceil(sk / bn))
-                r = predict(b, 8, 8, 4, sk, 128, spec, bm, bn, warps, 128, num_splits=splits)
+                per_sm = _C.gpu_ctas_per_sm(bm, bn, warps, 128, spec.max_smem_per_block_optin)
+                splits = _C.num_splits_heuristic(b * 8 * math.ceil(4 / bm), spec.sms * per_sm, math.ceil(sk / bn))
+                r = predict(b, 8, 8, 4, sk, 128, spec, bm, bn, warps, 128, num_splits=splits, ctas_per_sm=per_sm)
                 today = " (today)" if (bm, bn, warps) == (cur["block_m"], cur["block_n"], cur["num_warps"]) else ""
                 rows.append(f"| {name} | {b}, {sk} | {bm} x {bn} / {warps}{today} | {splits} | {r.time * 1e6:.1f} | "
                             f"{r.bound} | {r.t_tensor * 1e6:.1f} / {r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / "

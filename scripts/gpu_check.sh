@@ -2,8 +2,9 @@
 # The one prepared GPU run (an H200 lent through the device tool, ~10 minutes): builds for sm_90 only the
 # head dims it needs, reports kernel resources, runs the GPU tests, compute-sanitizer memcheck and racecheck
 # on small cases (forward and backward), then the forward and forward+backward benchmarks against torch SDPA,
-# and last, time allowing, the forward at head dim 64 on this build's tiles next to an 8-warp baseline build
-# (FLASH_EXT_GPU_FWD_WARPS=8: the tiles before 4 warps x 32 rows).  Full logs go to $OUT (default ./gpu_out); a
+# and last, time allowing, the forward and a decode step at head dim 64 on this build's tiles next to an
+# 8-warp baseline build (FLASH_EXT_GPU_FWD_WARPS=8: the 128-row, 8-warp tiles before 4 warps x 32 rows and
+# before the one-warp decode tile).  Full logs go to $OUT (default ./gpu_out); a
 # short table is printed last.  Needs CUTLASS headers: carry them (see docs/perf.md) or set
 # CUTLASS_INCLUDE_DIR.
 set -uo pipefail
@@ -58,16 +59,23 @@ if (( $(date +%s) - start < 420 )); then
     step tiles_new 90 $PY -m flash_ext.bench --device cuda --headdims 64 --json "$OUT/tiles_new.json" &&
     step tiles_old 90 env PYTHONPATH="$BASE" $PY -m flash_ext.bench --device cuda --headdims 64 \
       --json "$OUT/tiles_old.json"
+  # Decode (GQA 32/8 heads, head dim 64): the decode tile against the 128-row tile, same splits rule.
+  step decode_new 60 $PY -m flash_ext.bench decode --device cuda --headdims 64 --seqlens 8192 65536 \
+    --json "$OUT/decode_new.json"
+  step decode_old 60 env PYTHONPATH="$BASE" $PY -m flash_ext.bench decode --device cuda --headdims 64 \
+    --seqlens 8192 65536 --json "$OUT/decode_old.json"
 else
   status[baseline_build]="skipped: $(( $(date +%s) - start )) s already"
 fi
 
 echo
 echo "== summary ($(cat "$OUT/commit.txt"), $(head -2 "$OUT/gpu.txt" | tail -1))"
-for s in build kernels tests memcheck racecheck bench bench_bwd decode dropout baseline_build tiles_new tiles_old; do printf '%-10s %s
+for s in build kernels tests memcheck racecheck bench bench_bwd decode dropout baseline_build tiles_new tiles_old \
+  decode_new decode_old; do printf '%-10s %s
 ' "$s" "${status[$s]:-not run}"; done
 grep -E "TFLOP|ratio|FAIL" "$OUT/bench.log" | tail -n 30 || true
 grep -E "TFLOP|ratio|FAIL" "$OUT/bench_bwd.log" | tail -n 30 || true
 tail -n 9 "$OUT/decode.log" || true
 tail -n 12 "$OUT/dropout.log" || true
 for t in new old; do echo "-- head dim 64, $t tiles"; grep -E "^ *(bf16|fp16) " "$OUT/tiles_$t.log" || true; done
+for t in new old; do echo "-- decode, head dim 64, $t tiles"; tail -n 4 "$OUT/decode_$t.log" || true; done

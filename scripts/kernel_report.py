@@ -49,7 +49,17 @@ FEED_EPS = 1e-9  # 4 warps x 32 rows gives exactly 32/3 = sm_90's bar
 # in 255 registers without spills (sm80_num_warps: the lean variants at head dims <= 64, "even" at 96) and
 # keeps 8 warps elsewhere until the body's register use allows more (issue #14 item 3).  Key: (arch, head
 # dim, warps); the floors sit below those values, they do not copy them.
-FEED_WAIVERS = {(arch, hd, 8): (5.5 if hd == 256 else 6.0) for arch in (80, 90) for hd in (32, 64, 96, 128, 192, 256)}
+#
+# The decode tile (dispatch.h, variant "decode": at most 16 query rows) is below the bar by design: its one
+# warp writes K and V with cp.async and reads them back, 16 x 64 / (16 + 2 x 64 x 2) = 3.8 FMA per byte
+# (head dim 256: 2 warps x 16 rows x 16 keys, 32 x 16 / (32 + 2 x 16 x 3) = 4.0).  It does not aim at the
+# tensor cores: a decode step does ~4 FLOPs per K/V byte read from HBM, and what the tile minimises is
+# shared-memory traffic per HBM byte (1-2 reads of each K/V tile instead of the 8-warp tile's 8;
+# docs/perf.md, "Decode").
+# Head dim 192's `dropout` kernel has 32-key tiles (5.8, as at 256), where 64 keys spilled (dispatch.h).
+FEED_WAIVERS = {(arch, hd, 8): (5.5 if hd >= 192 else 6.0) for arch in (80, 90) for hd in (32, 64, 96, 128, 192, 256)}
+FEED_WAIVERS.update({(arch, hd, 1): 3.3 for arch in (80, 90) for hd in (32, 64, 96, 128, 192)})
+FEED_WAIVERS.update({(arch, 256, 2): 3.5 for arch in (80, 90)})
 
 # Per-SM limits used for the occupancy estimate: registers, max dynamic shared memory per SM (bytes).
 SM_LIMITS = {80: (65536, 164 * 1024), 86: (65536, 100 * 1024), 89: (65536, 100 * 1024), 90: (65536, 228 * 1024)}
@@ -223,6 +233,8 @@ shared memory (128 B/clk/SM) feeds the tensor cores at the mma.sync rate (sm_80:
 8.0; sm_90: about 2/3 of 2048 -> 10.7; arithmetic and sources in `docs/perf.md`).  Kernels below the bar
 with 8 warps x 16 rows are waived to a floor (6.0; 5.5 at head dim 256); 4 warps x 32 rows meet both bars, and
 dispatch.h uses them where they do not spill (`FEED_WAIVERS` in `scripts/kernel_report.py`, `sm80_num_warps`).
+The one-warp decode tile (16 rows, variant `decode`) is waived to 3.3: it is meant to be bound by HBM, not by
+the tensor cores (its arithmetic is in `kernel_report.py` and `docs/perf.md`, "Decode").
 Method and limits: `scripts/sass_loop.py` (loop = the back edge whose region holds the most HMMA;
 per-path sums over the region's forward-edge DAG; static counts, predicated instructions count as
 executed).

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include <cute/config.hpp>
+#include <cutlass/array.h>
 
 #include "block_info.h"
 #include "global_memory.h"
@@ -51,6 +52,28 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
   float const lse = max_lse + logf(sum);
   if (col_begin == 0) { Mem::store_global(lse_out, lse); }
   float const* o_s = p.oaccum_ptr + (index_t(bidh) * p.accum_rows + r) * p.d;
+  // A whole group of kCombineCols columns (always, as the op requires d % 8 == 0): one weight per split and
+  // 16-byte moves (partial rows are d floats from a 256-byte aligned base, O rows 16-byte aligned as for the
+  // forward's epilogue).  Otherwise one column at a time.
+  if (col_end - col_begin == kCombineCols && col_begin % 4 == 0 && p.d % 4 == 0) {
+    using In = cutlass::AlignedArray<float, 4>;
+    float acc[kCombineCols] = {};
+    for (int s = 0; s < p.num_splits; ++s) {
+      float const w = expf(Mem::load_global(lse_s + s * split_stride) - lse);
+      float const* src = o_s + s * split_stride * p.d + col_begin;
+      CUTE_UNROLL
+      for (int v = 0; v < kCombineCols / 4; ++v) {
+        In const x = Mem::load_global(reinterpret_cast<In const*>(src) + v);
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) { acc[4 * v + e] += w * x[e]; }
+      }
+    }
+    cutlass::AlignedArray<Element, kCombineCols> out;
+    CUTE_UNROLL
+    for (int e = 0; e < kCombineCols; ++e) { out[e] = Element(acc[e]); }
+    Mem::store_global(reinterpret_cast<cutlass::AlignedArray<Element, kCombineCols>*>(o + col_begin), out);
+    return;
+  }
   for (int c = col_begin; c < col_end; ++c) {
     float acc = 0.f;
     for (int s = 0; s < p.num_splits; ++s) {

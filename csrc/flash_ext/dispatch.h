@@ -2,6 +2,7 @@
 // constexpr functions, so the rules can be read, unit-tested on the host, and reported by explain().
 #pragma once
 
+#include <string_view>
 #include <type_traits>
 
 #include <cute/config.hpp>
@@ -39,14 +40,26 @@ enum class FlagMode : unsigned char { kFalse, kTrue, kRuntime };
 struct Variant {
   const char* name;
   FlagMode even_mn, even_k, local, alibi, softcap, split, dropout;
+  // Only for problems of at most kDecodeRows query rows per sequence: the variant runs the decode tile.
+  bool few_rows = false;
 };
+
+// Query rows per sequence (after the decode group swap, csrc/ops/common.h) up to which a problem runs the
+// decode tile: one warp's 16-row MMA slab.
+inline constexpr int kDecodeRows = 16;
 
 inline constexpr Variant kVariants[] = {
     // Tile-multiple sequence lengths, head dim equal to the tile's, no extras: no predicate anywhere.
     {"even", FlagMode::kTrue, FlagMode::kTrue, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
      FlagMode::kFalse},
+    // Decode and short query chunks (<= kDecodeRows rows, e.g. one token with its query heads as rows):
+    // every feature but dropout as a runtime branch, on the decode tile (sm80_tile_config).  Its loop is
+    // bound by HBM reads of K and V, so the branches are free and one kernel per file covers sliding
+    // windows, ALiBi and softcap decode too.
+    {"decode", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kRuntime,
+     FlagMode::kRuntime, FlagMode::kFalse, /*few_rows=*/true},
     // Any sequence length and head dim, plain or causal attention, split-KV or not: the usual inference
-    // and decode case.  Splitting only changes the tile range and the epilogue, so it costs no kernel.
+    // case.  Splitting only changes the tile range and the epilogue, so it costs no kernel.
     {"uneven", FlagMode::kRuntime, FlagMode::kRuntime, FlagMode::kFalse, FlagMode::kFalse, FlagMode::kFalse,
      FlagMode::kRuntime, FlagMode::kFalse},
     // Local windows, ALiBi and softcap as runtime branches.
@@ -60,8 +73,10 @@ inline constexpr Variant kVariants[] = {
 inline constexpr int kNumVariants = int(sizeof(kVariants) / sizeof(kVariants[0]));
 
 // ---------------------------------------------------------------------------------------------------
-// The M x N tile of a head dim, the same for every static variant: the variant is picked from flags that
-// depend on the tile (even_mn), and the split heuristic counts K/V tiles before any variant is chosen.
+// The M x N tile of a head dim, shared by every static variant that fixes even_mn (the variant is picked
+// from flags that depend on the tile: even_mn) and used by the split heuristic to count K/V tiles before
+// any variant is chosen.  Variants with a runtime even_mn may run their own tile (sm80_tile_config: the
+// decode tile, head dim 192's dropout kernel), since their kernels derive the flag from their own tile.
 // Shared memory per CTA is (block_m + 2 * block_n) * head_dim * 2 bytes.  Reasoning:
 //  - 128 query rows per CTA: each K/V tile loaded into shared memory serves 128 rows, which halves the
 //    K/V bytes per query row (L2 -> SM traffic) compared with 64.
@@ -94,8 +109,9 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //  - At <= 255 registers one CTA of 8 warps fills an SM's 64K registers; a 4-warp CTA leaves room for a
 //    second one where shared memory allows (hd <= 96 at 163 KB), so 8 warps per SM overlap MMA, exp2 and
 //    cp.async in both cases.
-// Build knob FLASH_EXT_GPU_FWD_WARPS=8 (setup.py): every variant on 8 warps x 16 rows, the tiles before the
-// rule below, so that a second build can be benchmarked side by side with a default one (gpu_check.sh).
+// Build knob FLASH_EXT_GPU_FWD_WARPS=8 (setup.py): every variant on 8 warps x 16 rows of the 128-row tile,
+// decode included (the tiles before the rules below), so that a second build can be benchmarked side by side
+// with a default one (gpu_check.sh).
 #if defined(FLASH_EXT_GPU_FWD_WARPS)
 inline constexpr int kBaselineFwdWarps = FLASH_EXT_GPU_FWD_WARPS;
 static_assert(kBaselineFwdWarps == 8, "FLASH_EXT_GPU_FWD_WARPS only selects the 8-warp baseline");
@@ -114,10 +130,40 @@ constexpr int sm80_num_warps(int head_dim, Variant v) {
   return 8;
 }
 
+// The decode tile (variants with few_rows): one warp, kDecodeRows x block_n.  A decode step reads every K/V
+// byte once and does ~rows x 4 FLOPs per byte with it, so HBM bounds it; what the 128-row tile adds is
+// ldmatrix and MMA work for rows that do not exist: its 8 warps each re-read all of K and V from shared
+// memory, 8x the shared-memory traffic of one warp, which the roofline puts above the HBM time
+// (docs/perf.md, "Decode").  One warp per CTA hides HBM latency with several CTAs per SM (36 KB of shared
+// memory each at hd 128: 4 on sm_80) and with the split heuristic counting those slots (sm80_ctas_per_sm).
+// Head dim 256 takes 2 warps x 16 rows x 16 keys instead: with one warp the K/V copy gives each thread 4-8
+// rows of a tile to address, and the kernel spilled (nvcc 13.0, sm_80: 20 B at 16 x 32, 4 B at 16 x 16,
+// 4 B at 2 warps x 32 keys; 219-223 registers and 0 B at 2 warps x 16 keys on sm_80 and sm_90).
+//
+// The head-dim-192 `dropout` kernel takes 32-key tiles: at 64 it spilled (24 B on sm_80, 40-48 B on sm_90,
+// nvcc 13.0: six loop-invariant words reloaded per tile) with 255 registers; 32 keys halve the S
+// accumulator and compile without spills on both archs.  A runtime-even variant may have its own N: its
+// kernel derives even_mn and its split share from its own tile (kernel_fwd.h), and the split heuristic's
+// count of 64-key tiles only sizes the split.
 constexpr TileConfig sm80_tile_config(int head_dim, int variant, SmemBudget budget = SmemBudget::kSm80) {
   BlockShape const b = sm80_block_shape(head_dim, budget);
-  return {b.block_m, b.block_n, sm80_num_warps(head_dim, kVariants[variant])};
+  Variant const v = kVariants[variant];
+  if (kBaselineFwdWarps != 0) { return {b.block_m, b.block_n, kBaselineFwdWarps}; }
+  if (v.few_rows) { return head_dim == 256 ? TileConfig{2 * kDecodeRows, 16, 2} : TileConfig{kDecodeRows, b.block_n, 1}; }
+  if (head_dim == 192 && v.dropout == FlagMode::kTrue) { return {b.block_m, 32, sm80_num_warps(head_dim, v)}; }
+  return {b.block_m, b.block_n, sm80_num_warps(head_dim, v)};
 }
+
+// Resident CTAs per SM for a tile, for the split heuristic's count of processors: shared memory (the budget
+// stands for the SM's), registers (the kernels are compiled for one CTA per SM, up to 255 registers per
+// thread: 256 x threads allocated) and the 16 CTAs per SM of sm_86/sm_89 (sm_80 and sm_90 allow 32).
+constexpr int sm80_ctas_per_sm(TileConfig t, int head_dim, SmemBudget budget = SmemBudget::kSm80) {
+  int const by_smem = int(budget) / tile_smem_bytes(t, head_dim);
+  int const by_regs = 65536 / (256 * 32 * t.num_warps);
+  return cute::max(1, cute::min(cute::min(by_smem, by_regs), 16));
+}
+static_assert(sm80_ctas_per_sm({128, 64, 8}, 128) == 1 && sm80_ctas_per_sm({128, 64, 4}, 64) == 2 &&
+              sm80_ctas_per_sm({16, 64, 1}, 128) == 4 && sm80_ctas_per_sm({16, 64, 1}, 128, SmemBudget::kSm86) == 2);
 
 constexpr bool tile_configs_fit() {
   for (int hd : {32, 64, 96, 128, 192, 256}) {
@@ -127,6 +173,11 @@ constexpr bool tile_configs_fit() {
         if (tile_smem_bytes(t, hd) > int(b)) { return false; }
         // Each warp owns whole 16-row MMA slabs (Sm80Traits).
         if (t.block_m % (16 * t.num_warps) != 0) { return false; }
+        // Variants that test even_mn statically use the shared shape (select_fwd_variant computes it there).
+        BlockShape const shape = sm80_block_shape(hd, b);
+        if (kVariants[v].even_mn != FlagMode::kRuntime && (t.block_m != shape.block_m || t.block_n != shape.block_n)) {
+          return false;
+        }
       }
     }
   }
@@ -166,14 +217,16 @@ constexpr FlagMode local_mode(Variant v, bool causal) { return causal ? FlagMode
 
 struct ProblemFlags {
   bool even_mn, even_k, local, alibi, softcap, split, dropout;
+  bool few_rows = false;  // at most kDecodeRows query rows per sequence (not a kernel flag: picks the tile)
 };
 
 // The runtime facts the flags stand for, for a tile of block_m x block_n and a head-dim tile.  Varlen
-// batches are never "even": each sequence has its own length.
+// batches are never "even": each sequence has its own length (seqlen_q is then the longest one's).
 CUTE_HOST_DEVICE constexpr ProblemFlags problem_flags(FwdParams const& p, int block_m, int block_n, int head_dim) {
   bool const varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
   return {!varlen && p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0, p.d == head_dim, p.is_local,
-          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f, p.num_splits > 1, p.is_dropout};
+          p.alibi_slopes_ptr != nullptr, p.softcap > 0.f, p.num_splits > 1, p.is_dropout,
+          p.seqlen_q <= kDecodeRows};
 }
 
 // The flags as a kernel body sees them: static members keep their constant, runtime members take the
@@ -199,7 +252,7 @@ constexpr bool admits(FlagMode mode, bool value) {
 constexpr bool variant_admits(Variant v, bool causal, ProblemFlags p) {
   return admits(v.even_mn, p.even_mn) && admits(v.even_k, p.even_k) && admits(local_mode(v, causal), p.local) &&
          admits(v.alibi, p.alibi) && admits(v.softcap, p.softcap) && admits(v.split, p.split) &&
-         admits(v.dropout, p.dropout);
+         admits(v.dropout, p.dropout) && (!v.few_rows || p.few_rows);
 }
 
 // The first (most specialised) variant that admits the problem; -1 if none does.
@@ -210,18 +263,35 @@ constexpr int select_variant(bool causal, ProblemFlags p) {
   return -1;
 }
 
-static_assert(select_variant(false, {true, true, false, false, false, false, false}) == 0);
-static_assert(select_variant(true, {false, true, false, false, false, false, false}) == 1);
-static_assert(select_variant(true, {true, true, false, false, false, true, false}) == 1, "split-KV runs the uneven kernel");
-static_assert(select_variant(false, {true, true, true, true, true, true, false}) == 2);
-static_assert(select_variant(true, {true, true, true, false, false, false, false}) == -1, "causal files have no local branch");
-static_assert(select_variant(false, {true, true, false, false, false, false, true}) == 3, "dropout has its own kernel");
-static_assert(select_variant(false, {false, false, true, true, true, true, true}) == 3 &&
-                  select_variant(true, {false, false, false, true, true, true, true}) == 3,
-              "every feature combination has a dropout kernel");
+// The index of the variant called `name` (for the rules below and tests), -1 if none.
+constexpr int variant_named(std::string_view name) {
+  for (int i = 0; i < kNumVariants; ++i) {
+    if (name == kVariants[i].name) { return i; }
+  }
+  return -1;
+}
 
-// The static variant a problem runs in the file of head dim tile head_dim (all its variants share one
-// M x N tile, so even_mn is known before the variant is).
+// ProblemFlags: {even_mn, even_k, local, alibi, softcap, split, dropout, few_rows}.
+static_assert(select_variant(false, {true, true, false, false, false, false, false}) == variant_named("even"));
+static_assert(select_variant(true, {false, true, false, false, false, false, false}) == variant_named("uneven"));
+static_assert(select_variant(true, {true, true, false, false, false, true, false}) == variant_named("uneven"),
+              "split-KV runs the uneven kernel");
+static_assert(select_variant(false, {true, true, true, true, true, true, false}) == variant_named("general"));
+static_assert(select_variant(true, {true, true, true, false, false, false, false}) == -1, "causal files have no local branch");
+static_assert(select_variant(false, {true, true, false, false, false, false, true}) == variant_named("dropout"),
+              "dropout has its own kernel");
+static_assert(select_variant(false, {false, false, true, true, true, true, true}) == variant_named("dropout") &&
+                  select_variant(true, {false, false, false, true, true, true, true}) == variant_named("dropout"),
+              "every feature combination has a dropout kernel");
+static_assert(select_variant(false, {false, true, false, false, false, true, false, true}) == variant_named("decode") &&
+                  select_variant(true, {false, false, false, true, true, false, false, true}) == variant_named("decode") &&
+                  select_variant(false, {false, true, true, true, true, true, false, true}) == variant_named("decode"),
+              "every few-rows problem without dropout runs the decode tile");
+static_assert(select_variant(false, {false, true, false, false, false, false, true, true}) == variant_named("dropout"),
+              "dropout with few rows keeps the dropout kernel");
+
+// The static variant a problem runs in the file of head dim tile head_dim (even_mn is computed on the M x N
+// tile the variants that test it share, so it is known before the variant is).
 CUTE_HOST_DEVICE constexpr int select_fwd_variant(FwdParams const& p, int head_dim, bool causal,
                                                   SmemBudget budget = SmemBudget::kSm80) {
   BlockShape const b = sm80_block_shape(head_dim, budget);

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
 
 #include "block_info.h"
 #include "copy.h"
@@ -19,6 +20,12 @@ namespace flash_ext {
 // Split-KV partial: the fp32 accumulator rows, normalised by this split's own sum, and the split's LSE go
 // straight from registers to the accumulators (num_splits, h, accum_rows, d); combine.h merges them.  No
 // shared memory is touched, so no barrier is needed.
+//
+// On the GPU each store is 16 bytes.  In the m16n8 accumulator lanes 2q and 2q + 1 hold columns {4q', 4q'+1}
+// and {4q'+2, 4q'+3} (q' = q mod 2) of rows r and r + 8; one exchange of two values over lane bit 0 leaves
+// the even lane with row r's four columns and the odd lane with row r + 8's, each a 16-byte aligned run
+// (the op requires d % 8 == 0, so a run is either wholly inside d or wholly past it).  The host traits hold
+// one value per (row, column) and store them one by one.
 template <class Traits, class AccO, class Lse>
 CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& binfo, AccO const& acc_o,
                                     Lse const& lse, int tidx, int bidb, int bidh, int m_block, int n_split) {
@@ -34,20 +41,51 @@ CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& bi
   CUTE_UNROLL
   for (int i = 0; i < size<0>(acc_o_rc); ++i) {
     int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
-    if (row >= binfo.seqlen_q) { continue; }
-    index_t const r = split_base + binfo.accum_row(params, bidb, row);
-    if (get<1>(taccOcO(i, 0)) == 0) { Traits::store_global(params.lseaccum_ptr + r, lse(i)); }
-    float* const orow = params.oaccum_ptr + r * params.d;
-    // A full head dim stores without per-column predicates: 2 x kHeadDim / 8 of them per thread would
-    // otherwise be live at once next to the accumulator (the head-dim-256 kernels spilled for it).
-    if (params.d == kHeadDim) {
+    if (get<1>(taccOcO(i, 0)) == 0 && row < binfo.seqlen_q) {
+      Traits::store_global(params.lseaccum_ptr + split_base + binfo.accum_row(params, bidb, row), lse(i));
+    }
+  }
+  if constexpr (!Traits::kIsHost) {
+    static_assert(Traits::kAccValCols == 2 && decltype(size<0>(acc_o_rc))::value % 2 == 0);
+    using Vec = cutlass::AlignedArray<float, 4>;
+    bool const odd = (tidx & 1) != 0;
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(acc_o_rc); i += 2) {  // rows r (i) and r + 8 (i + 1) of one 16-row slab
+      int const row = m_block * kBlockM + get<0>(taccOcO(odd ? i + 1 : i, 0));
+      bool const row_ok = row < binfo.seqlen_q;
+      index_t const r = split_base + binfo.accum_row(params, bidb, row_ok ? row : 0);
+      float* const orow = params.oaccum_ptr + r * params.d;
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(acc_o_rc); ++j) { Traits::store_global(orow + get<1>(taccOcO(i, j)), acc_o_rc(i, j)); }
-    } else {
+      for (int j = 0; j < size<1>(acc_o_rc); j += 2) {  // columns c, c + 1 of one n8 atom
+        // Even lanes send their row r + 8 pair and keep row r's; odd lanes the reverse.
+        float const send0 = odd ? acc_o_rc(i, j) : acc_o_rc(i + 1, j);
+        float const send1 = odd ? acc_o_rc(i, j + 1) : acc_o_rc(i + 1, j + 1);
+        float const got0 = Traits::shfl_xor(send0, 1);
+        float const got1 = Traits::shfl_xor(send1, 1);
+        Vec v;
+        if (odd) {
+          v[0] = got0, v[1] = got1, v[2] = acc_o_rc(i + 1, j), v[3] = acc_o_rc(i + 1, j + 1);
+        } else {
+          v[0] = acc_o_rc(i, j), v[1] = acc_o_rc(i, j + 1), v[2] = got0, v[3] = got1;
+        }
+        int const col = get<1>(taccOcO(i, j)) & ~3;
+        // A full head dim needs no column predicate: 2 x kHeadDim / 8 of them per thread would otherwise be
+        // live at once next to the accumulator (the head-dim-256 kernels spilled for it).
+        if (row_ok && (params.d == kHeadDim || col < params.d)) {
+          Traits::store_global(reinterpret_cast<Vec*>(orow + col), v);
+        }
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(acc_o_rc); ++i) {
+      int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
+      if (row >= binfo.seqlen_q) { continue; }
+      float* const orow = params.oaccum_ptr + (split_base + binfo.accum_row(params, bidb, row)) * params.d;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(acc_o_rc); ++j) {
         int const col = get<1>(taccOcO(i, j));
-        if (col < params.d) { Traits::store_global(orow + col, acc_o_rc(i, j)); }
+        if (params.d == kHeadDim || col < params.d) { Traits::store_global(orow + col, acc_o_rc(i, j)); }
       }
     }
   }

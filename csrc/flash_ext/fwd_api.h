@@ -20,6 +20,7 @@ struct CudaPlan {
   bool ok = false;
   std::string why;
   int head_dim = 0, block_m = 0, block_n = 0, num_warps = 0, smem_bytes = 0;
+  int ctas_per_sm = 1;  // resident CTAs per SM (dispatch.h, sm80_ctas_per_sm): the split heuristic's slots
   int variant = -1;
   const char* variant_name = "";
   GridDims grid;  // the launch grid (grid.h)

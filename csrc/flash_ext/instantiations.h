@@ -81,6 +81,7 @@ inline void fill_fwd_plan(CudaPlan& plan, FwdParams const& params, int head_dim,
   plan.block_n = tile.block_n;
   plan.num_warps = tile.num_warps;
   plan.smem_bytes = tile_smem_bytes(tile, head_dim);
+  plan.ctas_per_sm = sm80_ctas_per_sm(tile, head_dim, budget);
   plan.grid = fwd_grid(ceil_div(params.seqlen_q, tile.block_m), params.b, params.h, params.num_splits);
   plan.ok = plan.variant >= 0 && grid_error(plan.grid) == nullptr;
   if (plan.variant < 0) { plan.why = "no compiled flag variant admits this problem"; }

@@ -89,6 +89,7 @@ struct TileChoice {
   bool ok = false;
   std::string why;
   int head_dim = 0, block_m = 0, block_n = 0, threads = 0, smem = 0;
+  int ctas_per_sm = 1;  // Sm80 paths: CTAs of this tile resident per SM; host: one work item per thread
   std::string variant;
   GridDims grid;  // Sm80 paths: the launch grid
 };
@@ -97,6 +98,7 @@ TileChoice from_cuda_plan(CudaPlan const& cp) {
   TileChoice t;
   t.ok = cp.ok, t.why = cp.why, t.head_dim = cp.head_dim, t.block_m = cp.block_m, t.block_n = cp.block_n;
   t.threads = 32 * cp.num_warps, t.smem = cp.smem_bytes, t.variant = cp.variant_name, t.grid = cp.grid;
+  t.ctas_per_sm = cp.ctas_per_sm;
   return t;
 }
 
@@ -504,8 +506,11 @@ std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q,
     DeviceInfo const dev = call_device(q);
     TileChoice const t = choose_tile(p, q, dev);
     if (t.ok) {
+      // The heuristic fills the slots where CTAs run at once: SMs times the tile's resident CTAs per SM (the
+      // one-warp decode tile keeps several per SM in flight to cover HBM latency).
       int const ctas = p.b * p.h * ceil_div(p.seqlen_q, t.block_m);
-      p.num_splits = num_splits_heuristic(ctas, dev.processors, ceil_div(p.seqlen_k, t.block_n), int(kMaxSplits));
+      p.num_splits = num_splits_heuristic(ctas, dev.processors * t.ctas_per_sm, ceil_div(p.seqlen_k, t.block_n),
+                                          int(kMaxSplits));
     }
   }
   // The partials are addressed with int rows (accum_rows); a problem with more rows runs unsplit (forced
@@ -542,6 +547,7 @@ Plan make_plan(FwdParams const& p, at::Tensor const& q) {
   if (!t.why.empty()) { plan.reasons.push_back(t.why); }
   plan.head_dim = p.d, plan.head_dim_tile = t.head_dim, plan.block_m = t.block_m, plan.block_n = t.block_n;
   plan.threads_per_cta = t.threads, plan.smem_bytes = t.smem, plan.variant = t.variant;
+  plan.ctas_per_sm = t.ctas_per_sm;
   plan.num_splits = p.num_splits;
   plan.varlen = p.cu_seqlens_q != nullptr;
   if (t.ok) {
@@ -582,6 +588,7 @@ std::string plan_to_json(Plan const& plan) {
      << ", \"head_dim\": " << plan.head_dim << ", \"head_dim_tile\": " << plan.head_dim_tile
      << ", \"block_m\": " << plan.block_m << ", \"block_n\": " << plan.block_n
      << ", \"threads_per_cta\": " << plan.threads_per_cta << ", \"smem_bytes\": " << plan.smem_bytes
+     << ", \"ctas_per_sm\": " << plan.ctas_per_sm
      << ", \"variant\": \"" << plan.variant << "\", \"grid\": [" << plan.grid[0] << ", " << plan.grid[1] << ", "
      << plan.grid[2] << "], \"num_splits\": " << plan.num_splits << ", \"varlen\": " << b(plan.varlen)
      << ", \"flags\": {\"even_mn\": " << b(plan.even_mn) << ", \"even_k\": " << b(plan.even_k)

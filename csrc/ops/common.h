@@ -138,6 +138,7 @@ struct Plan {
   std::string device, backend, variant;
   std::string cpu_isa;  // CPU: the instruction-set level whose micro-kernels run (host_isa.h)
   int head_dim = 0, head_dim_tile = 0, block_m = 0, block_n = 0, threads_per_cta = 0, smem_bytes = 0;
+  int ctas_per_sm = 1;  // Sm80 paths: resident CTAs per SM of the tile (the split heuristic's slots)
   int64_t grid[3] = {0, 0, 0};  // Sm80 paths: the launch grid (grid.h); host: (m_blocks, batch, heads x splits)
   bool emulated = false;
   int num_splits = 1;

@@ -195,6 +195,7 @@ int main() {
   check_tile_masks<32>();
   check_tile_masks<64>();
   check_tile_masks<128>();
+  check_tile_masks<192>();  // 128 x 32: the dropout kernel's own N at this head dim (dispatch.h)
   check_tile_masks<256>();
   check_host_tile_masks<flash_ext::HostTraits<64, 128, 64, float>>("128x64");
   check_host_tile_masks<flash_ext::HostTraits<64, 16, 64, float>>("16x64 (short queries)");
