@@ -13,8 +13,9 @@ The model (docs/perf.md, "Static model", has the arithmetic and the sources of e
 * Time per CTA = max(MMA FLOPs / the SM's mma.sync rate, shared bytes / the SM's shared-memory rate),
   i.e. tensor cores and shared memory overlap perfectly and everything else (softmax, exp2, address
   arithmetic, barriers, latency) hides under them: a lower bound per CTA.
-* CTAs are list-scheduled in launch order onto ``sms x ctas_per_sm`` slots, each with ``1/ctas_per_sm``
-  of an SM; the makespan captures wave quantisation and causal imbalance.
+* CTAs are list-scheduled in launch order onto ``sms x k`` slots, each with ``1/k`` of an SM, where k is
+  the tile's resident CTAs per SM, or fewer when the grid does not fill them (``ceil(ctas / sms)``: the
+  hardware spreads a grid over the SMs first); the makespan captures wave quantisation and causal imbalance.
 * HBM: compulsory bytes (Q, the K/V tiles some CTA reads, O, LSE, split partials written and read back
   by the combine) at the datasheet bandwidth, scaled by the share of SMs that have a CTA (one SM cannot
   pull the whole bandwidth; fair share assumed).  K/V re-reads by the m-blocks of a head are assumed to
@@ -213,19 +214,22 @@ def predict(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, 
     sm_flops = gpu.mma_flops / gpu.sms
     sm_smem = gpu.smem_bytes_s / gpu.sms
     groups = batch * heads
+    # The CTAs an SM actually holds: the hardware spreads a grid over the SMs first, so a grid smaller than
+    # sms x ctas_per_sm leaves each SM ceil(ctas / sms) of them, each with that share of the SM.
+    ctas = groups * len(tiles) * len(tiles[0]) if tiles else 0
+    per_sm = max(1, min(ctas_per_sm, math.ceil(ctas / gpu.sms)))
     # Launch order: blockIdx.x = m_block fastest, then batch, then split * heads + head.
     durations: List[float] = []
     for split_tiles in tiles:
-        column = [max(n * per_tile_flops / sm_flops, (n * per_tile_smem + per_cta_smem) / sm_smem) * ctas_per_sm
+        column = [max(n * per_tile_flops / sm_flops, (n * per_tile_smem + per_cta_smem) / sm_smem) * per_sm
                   for n in split_tiles]
         durations += column * groups
-    ctas = len(durations)
     total_tiles = groups * sum(sum(t) for t in tiles)
     mma_flops = float(total_tiles) * per_tile_flops
     smem_bytes = float(total_tiles) * per_tile_smem + float(ctas) * per_cta_smem
     t_tensor = mma_flops / gpu.mma_flops
     t_smem = smem_bytes / gpu.smem_bytes_s
-    t_schedule = _makespan(durations, gpu.sms * ctas_per_sm)
+    t_schedule = _makespan(durations, gpu.sms * per_sm)
 
     # Compulsory HBM bytes: the K/V tiles some m_block reads (once per K/V head), Q, O, LSE, split partials.
     spans = sorted(_tile_range(m, seqlen_q, seqlen_k, block_m, block_n, window_left, window_right)

@@ -131,3 +131,20 @@ def test_explain_reports_the_gpu_roofline_from_a_cpu_tensor() -> None:
     # fp32 runs on the CPU only: no GPU prediction, and the explanation says why.
     e32 = flash_ext.explain(q.float(), k.float(), k.float(), gpu="A100", verbose=False)
     assert e32.ok and e32.roofline is None and "float16/bfloat16" in str(e32)
+
+
+@pytest.mark.parametrize("gpu", ["A100", "H100", "H200"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_gqa_decode_steps_are_hbm_bound_on_the_decode_tile(head_dim: int, gpu: str) -> None:
+    """Issue #14's "done when": a decode step's plan is bound by HBM in the model.  32 query heads over 8 K/V
+    heads (4 rows per K/V head after the group swap), small and large batches and caches."""
+    if head_dim not in flash_ext.build_info()["host_head_dims"]:
+        pytest.skip(f"head dim {head_dim} has no CPU kernel in this build (the plan comes from a CPU call)")
+    baseline = flash_ext.build_info()["gpu_fwd_warps"].startswith("8")
+    for b, sk in ((1, 4096), (8, 8192), (8, 65536)):
+        q = torch.randn(b, 1, 32, head_dim, dtype=torch.bfloat16)
+        k = torch.empty(b, sk, 8, head_dim, dtype=torch.bfloat16)
+        r = flash_ext.explain(q, k, k, gpu=gpu, verbose=False).roofline
+        assert r is not None and r.block_m == (128 if baseline else 16 if head_dim < 256 else 32), str(r)
+        if not baseline:
+            assert r.bound == "HBM", f"b={b} sk={sk}: {r}"
