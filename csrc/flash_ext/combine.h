@@ -52,9 +52,10 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
   float const lse = max_lse + logf(sum);
   if (col_begin == 0) { Mem::store_global(lse_out, lse); }
   float const* o_s = p.oaccum_ptr + (index_t(bidh) * p.accum_rows + r) * p.d;
-  // A whole group of kCombineCols columns (always, as the op requires d % 8 == 0): one weight per split and
-  // 16-byte moves (partial rows are d floats from a 256-byte aligned base, O rows 16-byte aligned as for the
-  // forward's epilogue).  Otherwise one column at a time.
+  // A GPU/emulator thread's group of kCombineCols columns (always whole: the op requires d % 8 == 0): one
+  // weight per split and 16-byte moves (partial rows are d floats from a 256-byte aligned base, O rows
+  // 16-byte aligned as for the forward's epilogue).  The host backend's call takes a whole row
+  // (launch_host.h) and goes column by column below.
   if (col_end - col_begin == kCombineCols && col_begin % 4 == 0 && p.d % 4 == 0) {
     using In = cutlass::AlignedArray<float, 4>;
     float acc[kCombineCols] = {};
