@@ -253,12 +253,14 @@ def test_emulate_switch_and_explain() -> None:
     assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"]
     with flash_ext.emulate():
         plan = flash_ext.explain(q, k, v, verbose=False).plan
-        # 40 x 50 runs the "uneven" variant: 4 warps x 32 rows up to head dim 64, else 8 warps x 16 rows
-        # (dispatch.h's sm80_num_warps, chosen by what fits in registers without spills); a baseline build
-        # (FLASH_EXT_GPU_FWD_WARPS=8) has 8 warps everywhere.
+        # 40 x 50 runs the "uneven" variant: 4 warps x 32 rows up to head dim 128 (64 keys per tile up to 64,
+        # then 32), else 8 warps x 16 rows (dispatch.h's sm80_four_warp_block_n, chosen by what fits in
+        # registers without spills); a baseline build (FLASH_EXT_GPU_FWD_WARPS=8) has 8 warps everywhere.
         assert plan["emulated"] and plan["variant"] == "uneven" and "emulated sm_80" in plan["device"]
         baseline = info["gpu_fwd_warps"].startswith("8")
-        assert plan["threads_per_cta"] == (128 if plan["head_dim_tile"] <= 64 and not baseline else 256)
+        four = plan["head_dim_tile"] <= 128 and not baseline
+        assert plan["threads_per_cta"] == (128 if four else 256)
+        assert plan["block_n"] == (64 if baseline or plan["head_dim_tile"] <= 64 else 32 if four else 64)
         fp32 = flash_ext.explain(q.float(), k.float(), v.float(), verbose=False).plan
         assert not fp32["emulated"] and fp32["backend"].startswith("host traits"), "fp32 stays on the host"
     assert not flash_ext.explain(q, k, v, verbose=False).plan["emulated"], "the context manager restores"

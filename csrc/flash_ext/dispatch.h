@@ -92,24 +92,34 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
   return {128, 32};                           // hd 256: 64 KB + 32 KB
 }
 
-// Warps per CTA, per static variant.  A warp owns kBlockM / num_warps rows, in 16-row MMA slabs.
-//  - Shared-memory feed: every warp reads all of K and V from shared memory for each tile (ldmatrix), so
-//    per K/V tile a warp moves (its Q rows + 2 N) x d x 2 bytes for its rows x N x d FMA.  4 warps x 32 rows
-//    reuse each K/V fragment for two slabs: 10.7 FMA per shared byte at 128 x 64 against 6.4 with 8 warps
-//    x 16 rows, which is below what the tensor cores consume (8.0 on sm_80, 10.7 on sm_90;
-//    scripts/kernel_report.py's FEED_BAR, docs/kernels.md).
-//  - Registers: the accumulators per thread are block_m * (block_n + head_dim) / (32 * num_warps) floats,
-//    twice as many with 4 warps.  Measured with nvcc 13.0 (sm_80 and sm_90, bf16, 2026-12-02): 4 warps
-//    fit in 255 registers without spills for the "even" and "uneven" variants at hd 32 and 64 (208-255
-//    registers) and for "even" at hd 96 (254-255); the others spill with 4 warps (stack bytes: hd 64
-//    "general" 32-40, "dropout" 80; hd 96 "uneven" 8 on sm_90; hd 128 every variant, 32-440, and at
-//    128 x 32 "general"/"dropout" 8/72), so they keep 8 warps x 16 rows (docs/kernels.md has the table;
-//    the 8-warp kernels use up to 255 registers at hd 192/256 -- no headroom there, so a change to the
-//    body is re-checked with scripts/compile_all.sh).
+// Warps per CTA and keys per tile, per static variant.  A warp owns kBlockM / num_warps rows, in 16-row MMA
+// slabs.
+//  - Shared-memory feed: every warp reads all of K and V from shared memory for each tile (ldmatrix), and
+//    its Q rows too, so per K/V tile a warp moves (its rows + 2 N) x d x 2 bytes for its rows x N x d x 2
+//    FMA, plus its share of the cp.async writes; the ratio does not depend on d.  With 128 rows:
+//        8 warps x 16 rows, N = 64:  6.4 FMA per shared byte
+//        4 warps x 32 rows, N = 32:  9.1
+//        4 warps x 32 rows, N = 64: 10.7
+//    against what the tensor cores consume at the mma.sync rate: 8.0 on sm_80, 10.7 on sm_90
+//    (scripts/kernel_report.py's FEED_BAR, docs/kernels.md).  Two slabs per warp reuse each K/V fragment
+//    twice; halving N halves the S accumulators (the register cost of the second slab) at a smaller loss.
+//  - Registers: the accumulators per thread are rows_per_warp x (N + d) / 32 floats.  What fits in 255
+//    registers without spills, measured with nvcc 13.0 (sm_80 and sm_90, fp16 and bf16, causal or not;
+//    stack bytes of the first config that spilled in brackets):
+//        hd <= 64: even, uneven 4 x 32 rows, N 64;  general, dropout 4 x 32, N 32 (N 64: 8-120 B)
+//        hd 96:    even 4 x 32, N 64 (uneven at N 64: 8 B on sm_90);  uneven, general 4 x 32, N 32;
+//                  dropout 8 x 16, N 64 (4 x 32, N 32: 32-88 B)
+//        hd 128:   even, uneven 4 x 32, N 32 (N 64: 32-440 B);  general, dropout 8 x 16, N 64
+//                  (4 x 32, N 32: general 8 B, dropout 72 B)
+//        hd 192, 256: 8 x 16 (8 warps already use 235-255 registers)
+//    The 4-warp kernels run at 220-255 registers, so a change to the body is re-checked with
+//    scripts/compile_all.sh.  FA2 makes the same choice at hd 128 (4 warps, 128 x 32 without causal).
 //  - At <= 255 registers one CTA of 8 warps fills an SM's 64K registers; a 4-warp CTA leaves room for a
-//    second one where shared memory allows (hd <= 96 at 163 KB), so 8 warps per SM overlap MMA, exp2 and
-//    cp.async in both cases.
-// Build knob FLASH_EXT_GPU_FWD_WARPS=8 (setup.py): every variant on 8 warps x 16 rows of the 128-row tile,
+//    second one (shared memory allows it at every head dim <= 128), so 8 warps per SM overlap MMA, exp2
+//    and cp.async in both cases.
+//  - A static-even variant may take fewer keys than the shared shape when they divide it: "even at 128 x 64"
+//    (select_fwd_variant) implies "even at 128 x 32".
+// Build knob FLASH_EXT_GPU_FWD_WARPS=8 (setup.py): every variant on 8 warps x 16 rows of the 128 x 64 tile,
 // decode included (the tiles before the rules below), so that a second build can be benchmarked side by side
 // with a default one (gpu_check.sh).
 #if defined(FLASH_EXT_GPU_FWD_WARPS)
@@ -119,15 +129,17 @@ static_assert(kBaselineFwdWarps == 8, "FLASH_EXT_GPU_FWD_WARPS only selects the 
 inline constexpr int kBaselineFwdWarps = 0;
 #endif
 
-constexpr int sm80_num_warps(int head_dim, Variant v) {
-  if (kBaselineFwdWarps != 0) { return kBaselineFwdWarps; }
+// Keys per tile of the 4-warp x 32-row config of a variant (the table above), or 0 where it keeps 8 warps.
+constexpr int sm80_four_warp_block_n(int head_dim, Variant v) {
   bool const lean = v.local == FlagMode::kFalse && v.alibi == FlagMode::kFalse && v.softcap == FlagMode::kFalse &&
                     v.dropout == FlagMode::kFalse;
   bool const fully_static = lean && v.even_mn == FlagMode::kTrue && v.even_k == FlagMode::kTrue &&
                             v.split == FlagMode::kFalse;
-  if (head_dim <= 64 && lean) { return 4; }
-  if (head_dim <= 96 && fully_static) { return 4; }
-  return 8;
+  bool const dropout = v.dropout != FlagMode::kFalse;
+  if (head_dim <= 64) { return lean ? 64 : 32; }
+  if (head_dim <= 96) { return fully_static ? 64 : dropout ? 0 : 32; }
+  if (head_dim <= 128) { return lean ? 32 : 0; }
+  return 0;
 }
 
 // The decode tile (variants with few_rows): one warp, kDecodeRows x block_n.  A decode step reads every K/V
@@ -150,8 +162,9 @@ constexpr TileConfig sm80_tile_config(int head_dim, int variant, SmemBudget budg
   Variant const v = kVariants[variant];
   if (kBaselineFwdWarps != 0) { return {b.block_m, b.block_n, kBaselineFwdWarps}; }
   if (v.few_rows) { return head_dim == 256 ? TileConfig{2 * kDecodeRows, 16, 2} : TileConfig{kDecodeRows, b.block_n, 1}; }
-  if (head_dim == 192 && v.dropout == FlagMode::kTrue) { return {b.block_m, 32, sm80_num_warps(head_dim, v)}; }
-  return {b.block_m, b.block_n, sm80_num_warps(head_dim, v)};
+  if (int const n4 = sm80_four_warp_block_n(head_dim, v); n4 != 0) { return {b.block_m, n4, 4}; }
+  if (head_dim == 192 && v.dropout == FlagMode::kTrue) { return {b.block_m, 32, 8}; }
+  return {b.block_m, b.block_n, 8};
 }
 
 // Resident CTAs per SM for a tile, for the split heuristic's count of processors: shared memory (the budget
@@ -173,9 +186,10 @@ constexpr bool tile_configs_fit() {
         if (tile_smem_bytes(t, hd) > int(b)) { return false; }
         // Each warp owns whole 16-row MMA slabs (Sm80Traits).
         if (t.block_m % (16 * t.num_warps) != 0) { return false; }
-        // Variants that test even_mn statically use the shared shape (select_fwd_variant computes it there).
+        // Variants that test even_mn statically use the shared shape's rows and a divisor of its keys
+        // (select_fwd_variant computes the flag on the shared shape).
         BlockShape const shape = sm80_block_shape(hd, b);
-        if (kVariants[v].even_mn != FlagMode::kRuntime && (t.block_m != shape.block_m || t.block_n != shape.block_n)) {
+        if (kVariants[v].even_mn != FlagMode::kRuntime && (t.block_m != shape.block_m || shape.block_n % t.block_n != 0)) {
           return false;
         }
       }
