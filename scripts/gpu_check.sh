@@ -2,9 +2,9 @@
 # The one prepared GPU run (an H200 lent through the device tool, ~10 minutes): builds for sm_90 only the
 # head dims it needs, reports kernel resources, runs the GPU tests, compute-sanitizer memcheck and racecheck
 # on small cases (forward and backward), then the forward and forward+backward benchmarks against torch SDPA,
-# and last, time allowing, the forward and a decode step at head dim 64 on this build's tiles next to an
-# 8-warp baseline build (FLASH_EXT_GPU_FWD_WARPS=8: the 128-row, 8-warp tiles before 4 warps x 32 rows and
-# before the one-warp decode tile).  Full logs go to $OUT (default ./gpu_out); a
+# and last, time allowing, the forward at head dims 64 and 128 and a decode step at head dim 64 on this
+# build's tiles next to an 8-warp baseline build (FLASH_EXT_GPU_FWD_WARPS=8: the 128 x 64, 8-warp tiles before
+# 4 warps x 32 rows -- 64 keys at head dim 64, 32 keys at 128 -- and before the one-warp decode tile).  Full logs go to $OUT (default ./gpu_out); a
 # short table is printed last.  Needs CUTLASS headers: carry them (see docs/perf.md) or set
 # CUTLASS_INCLUDE_DIR.
 set -uo pipefail
@@ -46,18 +46,18 @@ step bench_bwd 150 $PY -m flash_ext.bench fwd+bwd --device cuda --backends flash
 step decode 90 $PY -m flash_ext.bench decode --device cuda --json "$OUT/decode.json"
 step dropout 90 $PY -m flash_ext.bench dropout --device cuda --headdims 64 128 --seqlens 1024 4096 --json "$OUT/dropout.json"
 
-# Old vs new tiles side by side (#14): the same head-dim-64 forward grid on this build and on a baseline
-# build of a copy of the tree (8 warps x 16 rows for every variant; sm_90, head dim 64, no backward, host
-# head dim 64 only, to keep its build short).  Skipped when the steps above already took long.
+# Old vs new tiles side by side (#14): the same head-dim-64 and -128 forward grid on this build and on a
+# baseline build of a copy of the tree (8 warps x 16 rows for every variant; sm_90, head dims 64 and 128, no
+# backward, host head dim 64 only, to keep its build short).  Skipped when the steps above already took long.
 if (( $(date +%s) - start < 420 )); then
   BASE=$(mktemp -d)/tree
   mkdir -p "$BASE" && cp -r csrc flash_ext scripts setup.py pyproject.toml README.md "$BASE"/ &&
     ln -s "$PWD/third_party" "$BASE/third_party" && rm -f "$BASE"/flash_ext/_C*.so
-  FLASH_EXT_GPU_FWD_WARPS=8 FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=64 FLASH_EXT_BWD_HEADDIMS=none \
+  FLASH_EXT_GPU_FWD_WARPS=8 FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=64,128 FLASH_EXT_BWD_HEADDIMS=none \
     FLASH_EXT_HOST_HEADDIMS=64 MAX_JOBS=${MAX_JOBS:-16} \
     step baseline_build 240 bash -c "cd '$BASE' && $PY setup.py build_ext --inplace" &&
-    step tiles_new 90 $PY -m flash_ext.bench --device cuda --headdims 64 --json "$OUT/tiles_new.json" &&
-    step tiles_old 90 env PYTHONPATH="$BASE" $PY -m flash_ext.bench --device cuda --headdims 64 \
+    step tiles_new 120 $PY -m flash_ext.bench --device cuda --headdims 64 128 --json "$OUT/tiles_new.json" &&
+    step tiles_old 120 env PYTHONPATH="$BASE" $PY -m flash_ext.bench --device cuda --headdims 64 128 \
       --json "$OUT/tiles_old.json"
   # Decode (GQA 32/8 heads, head dim 64): the decode tile against the 128-row tile, same splits rule.
   step decode_new 60 $PY -m flash_ext.bench decode --device cuda --headdims 64 --seqlens 8192 65536 \
