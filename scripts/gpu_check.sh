@@ -3,9 +3,9 @@
 # head dims it needs, reports kernel resources, runs the GPU tests, compute-sanitizer memcheck and racecheck
 # on small cases (forward and backward), then the forward and forward+backward benchmarks against torch SDPA,
 # and last, time allowing, the forward at head dims 64 and 128 and a decode step at head dim 64 on this
-# build's tiles next to an 8-warp baseline build (FLASH_EXT_GPU_FWD_WARPS=8: the 128 x 64, 8-warp tiles before
-# 4 warps x 32 rows -- 64 keys at head dim 64, 32 keys at 128 -- and before the one-warp decode tile).  Full logs go to $OUT (default ./gpu_out); a
-# short table is printed last.  Needs CUTLASS headers: carry them (see docs/perf.md) or set
+# build's tiles next to an 8-warp baseline build (FLASH_EXT_GPU_FWD_WARPS=8: the 128 x 64, 8-warp tiles
+# before 4 warps x 32 rows -- 64 keys at head dim 64, 32 keys at 128 -- and before the one-warp decode
+# tile).  Full logs go to $OUT (default ./gpu_out); a short table is printed last.  Needs CUTLASS headers: carry them (see docs/perf.md) or set
 # CUTLASS_INCLUDE_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
