@@ -3,9 +3,9 @@ without a GPU, the host micro-kernels of every instruction-set level this CPU ru
 references, the forward (every level) and backward kernel bodies with host traits against double-precision
 loops, dropout's Philox known answers and mask contract, the launch geometry, and the warp emulator
 (instruction semantics, each check on a small kernel, the forward kernel with injected GPU bugs, each of
-which must be caught, and the Sm80 backward kernel against a double-precision gradient with zero findings).  Under
-``-m full`` also the Sm80 backward at head dims 32, 96, 128 and 192 on the emulator (a separate build: each head
-dim costs minutes of compilation)."""
+which must be caught, and the Sm80 backward kernel against a double-precision gradient with zero findings).
+Under ``-m full`` also the Sm80 backward at head dims 32, 96, 128, 192 and 256 (every variant) on the emulator
+(a separate build: each head dim costs minutes of compilation)."""
 from __future__ import annotations
 
 import pathlib
@@ -18,7 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "cpp-tests"
 BUILD_FULL = ROOT / "build" / "cpp-tests-full"
-FULL_BWD_HEAD_DIMS = "32;96;128;192"  # test_emu_bwd.cpp has 64 and 256
+FULL_BWD_HEAD_DIMS = "32;96;128;192;256"  # test_emu_bwd.cpp has 64 (every variant) and 256 (general)
 
 
 def cmake_build(build_dir: pathlib.Path, *options: str, target: str | None = None) -> pathlib.Path:
@@ -50,7 +50,7 @@ def test_ctest(cpp_build: pathlib.Path, name: str) -> None:
 
 @pytest.mark.full
 def test_emu_bwd_every_head_dim() -> None:
-    """The Sm80 backward at head dims 32, 96, 128, 192 on the emulator: every variant, both dtypes,
+    """The Sm80 backward at head dims 32, 96, 128, 192, 256 on the emulator: every variant, both dtypes,
     multi-slice deterministic dQ, each clean and within tolerance (tests/cpp/emu_bwd_head_dim.cpp)."""
     build = cmake_build(BUILD_FULL, f"-DFLASH_EXT_EMU_BWD_HEADDIMS={FULL_BWD_HEAD_DIMS}", target="test_emu_bwd_heads")
     result = subprocess.run([str(build / "test_emu_bwd_heads")], capture_output=True, text=True)

@@ -69,6 +69,13 @@ struct LdsmT {
   }
 };
 
+// ldmatrix .x2 (SM75_U32x2_LDSM_N).
+struct LdsmNx2 {
+  using SRegisters = cute::uint128_t[1];
+  using DRegisters = uint32_t[2];
+  static void copy(cute::uint128_t const& smem_row, uint32_t& d0, uint32_t& d1) { ldmatrix_x2(&smem_row, d0, d1); }
+};
+
 // cp.async.cg.shared.global, 16 bytes (SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>).
 struct CpAsync16 {
   using SRegisters = cute::uint128_t[1];
@@ -92,6 +99,8 @@ template <>
 struct Copy_Traits<flash_ext::emu::LdsmN> : Copy_Traits<SM75_U32x4_LDSM_N> {};
 template <>
 struct Copy_Traits<flash_ext::emu::LdsmT> : Copy_Traits<SM75_U16x8_LDSM_T> {};
+template <>
+struct Copy_Traits<flash_ext::emu::LdsmNx2> : Copy_Traits<SM75_U32x2_LDSM_N> {};
 template <>
 struct Copy_Traits<flash_ext::emu::CpAsync16> : Copy_Traits<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>> {};
 template <>
@@ -145,6 +154,7 @@ struct EmuSm80Arch {
   using Mma = emu::Mma16x8x16<Element>;
   using LdsmN = emu::LdsmN;
   using LdsmT = emu::LdsmT;
+  using LdsmNx2 = emu::LdsmNx2;
   using CpAsync = emu::CpAsync16;
   using VecCopy = emu::VecCopy;
 

@@ -131,9 +131,9 @@ void mma_m16n8k16_reference(Type16 type, uint16_t const (&A)[16][16], uint16_t c
   }
 }
 
-void ldmatrix_x4(bool trans, uint16_t const (&rows)[kWarp][8], uint32_t (&d)[kWarp][4]) {
+void ldmatrix(int num, bool trans, uint16_t const (&rows)[kWarp][8], uint32_t (&d)[kWarp][4]) {
   for (int lane = 0; lane < kWarp; ++lane) {
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < num; ++i) {
       uint16_t const* m = &rows[8 * i][0];  // matrix i: row r is rows[8 * i + r]
       auto at = [&](int r, int c) { return m[8 * r + c]; };
       uint16_t lo, hi;

@@ -58,14 +58,16 @@ void mma_m16n8k16_reference(Type16 type, uint16_t const (&A)[16][16], uint16_t c
                             float const (&C)[16][8], float (&D)[16][8]);
 
 // ---------------------------------------------------------------------------------------------------
-// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16  {d0, d1, d2, d3}, [p].
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16  {d0, d1, d2, d3}, [p]   (num = 4), and
+// ldmatrix.sync.aligned.m8n8.x2{.trans}.shared.b16  {d0, d1}, [p]           (num = 2).
 //
-// Lanes 8i..8i+7 supply the addresses of rows 0..7 of matrix i (16 bytes each, 16-byte aligned).  Register
-// d_i of every lane receives a fragment of matrix i: without .trans, lane l gets row l / 4, elements
-// 2 * (l % 4) and 2 * (l % 4) + 1 (low and high half); with .trans, the matrix is transposed first: lane l
-// gets elements (row 2 * (l % 4), column l / 4) and (row 2 * (l % 4) + 1, column l / 4).
-// rows[l] holds the 8 b16 values at lane l's address.
-void ldmatrix_x4(bool trans, uint16_t const (&rows)[kWarp][8], uint32_t (&d)[kWarp][4]);
+// Lanes 8i..8i+7 supply the addresses of rows 0..7 of matrix i (16 bytes each, 16-byte aligned); with .x2
+// the addresses of lanes 16-31 are not used.  Register d_i of every lane receives a fragment of matrix i:
+// without .trans, lane l gets row l / 4, elements 2 * (l % 4) and 2 * (l % 4) + 1 (low and high half); with
+// .trans, the matrix is transposed first: lane l gets elements (row 2 * (l % 4), column l / 4) and
+// (row 2 * (l % 4) + 1, column l / 4).  rows[l] holds the 8 b16 values at lane l's address; d[l][i] for
+// i >= num is left unchanged.
+void ldmatrix(int num, bool trans, uint16_t const (&rows)[kWarp][8], uint32_t (&d)[kWarp][4]);
 
 // ---------------------------------------------------------------------------------------------------
 // shfl.sync.bfly.b32 d, a, lane_mask, 0x1f, 0xffffffff: lane l receives a from lane l ^ lane_mask (each lane

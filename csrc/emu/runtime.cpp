@@ -128,12 +128,13 @@ constexpr int kWarp = ptx::kWarp;
 constexpr size_t kStackBytes = 256 * 1024;
 
 enum class State : uint8_t { kRunnable, kAtEvent, kAtCollective, kAtBarrier, kExited };
-enum class Op : uint8_t { kNone, kLdsm, kLdsmT, kMma, kShfl, kCpAsync, kVecLoad, kVecStore, kClear };
+enum class Op : uint8_t { kNone, kLdsm, kLdsmT, kLdsmX2, kMma, kShfl, kCpAsync, kVecLoad, kVecStore, kClear };
 
 char const* op_name(Op op) {
   switch (op) {
     case Op::kLdsm: return "ldmatrix.sync.aligned.m8n8.x4.shared.b16";
     case Op::kLdsmT: return "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
+    case Op::kLdsmX2: return "ldmatrix.sync.aligned.m8n8.x2.shared.b16";
     case Op::kMma: return "mma.sync.aligned.m16n8k16";
     case Op::kShfl: return "shfl.sync.bfly.b32";
     case Op::kCpAsync: return "cp.async.cg.shared.global [16 B]";
@@ -208,7 +209,7 @@ class Cta {
 
   // Instructions (called on the emulated thread).
   void park(Thread& t, State s);
-  void ldmatrix(Thread& t, bool trans, void const* row, uint32_t* d[4]);
+  void ldmatrix(Thread& t, int num, bool trans, void const* row, uint32_t* d[4]);
   void mma(Thread& t, ptx::Type16 type, ptx::MmaLane const& in, float* d[4]);
   float shfl(Thread& t, float value, int mask);
   void cp_async(Thread& t, void const* src, void* dst);
@@ -690,10 +691,12 @@ void Cta::execute_events(Thread* const* lanes) {
 }
 
 void Cta::execute_collective(Thread* const* lanes, Op op) {
-  if (op == Op::kLdsm || op == Op::kLdsmT) {
-    uint16_t rows[kWarp][8];
+  if (op == Op::kLdsm || op == Op::kLdsmT || op == Op::kLdsmX2) {
+    // .x2 reads the rows of lanes 0-15 only: the other lanes' addresses are neither used nor checked.
+    int const num = op == Op::kLdsmX2 ? 2 : 4;
+    uint16_t rows[kWarp][8] = {};
     uint32_t offsets[kWarp] = {}, valid = 0;
-    for (int l = 0; l < kWarp; ++l) {
+    for (int l = 0; l < 8 * num; ++l) {
       Thread& t = *lanes[l];
       uint32_t off = 0;
       if (!shared_offset(t.src, 16, off) || off % 16 != 0) {
@@ -711,9 +714,9 @@ void Cta::execute_collective(Thread* const* lanes, Op op) {
     }
     bank_model(lanes, valid, offsets, 16, op, lanes[0]->tid / kWarp);
     uint32_t d[kWarp][4];
-    ptx::ldmatrix_x4(op == Op::kLdsmT, rows, d);
+    ptx::ldmatrix(num, op == Op::kLdsmT, rows, d);
     for (int l = 0; l < kWarp; ++l) {
-      for (int i = 0; i < 4; ++i) { *lanes[l]->ld[i] = d[l][i]; }
+      for (int i = 0; i < num; ++i) { *lanes[l]->ld[i] = d[l][i]; }
     }
     ++report_->stats.ldmatrix;
   } else if (op == Op::kMma) {
@@ -738,10 +741,10 @@ void Cta::execute_collective(Thread* const* lanes, Op op) {
 // ---------------------------------------------------------------------------------------------------
 // Instructions on the emulated thread
 
-void Cta::ldmatrix(Thread& t, bool trans, void const* row, uint32_t* d[4]) {
-  t.op = trans ? Op::kLdsmT : Op::kLdsm;
+void Cta::ldmatrix(Thread& t, int num, bool trans, void const* row, uint32_t* d[4]) {
+  t.op = num == 2 ? Op::kLdsmX2 : trans ? Op::kLdsmT : Op::kLdsm;
   t.src = row;
-  for (int i = 0; i < 4; ++i) { t.ld[i] = d[i]; }
+  for (int i = 0; i < num; ++i) { t.ld[i] = d[i]; }
   park(t, State::kAtCollective);
 }
 
@@ -884,7 +887,13 @@ void run_cta(KernelDesc const& kernel, CtaCoord const& cta, CtaBody body, void c
 void ldmatrix_x4(bool trans, void const* row_address, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
   Thread& t = self();
   uint32_t* d[4] = {&d0, &d1, &d2, &d3};
-  cta_of(t).ldmatrix(t, trans, row_address, d);
+  cta_of(t).ldmatrix(t, 4, trans, row_address, d);
+}
+
+void ldmatrix_x2(void const* row_address, uint32_t& d0, uint32_t& d1) {
+  Thread& t = self();
+  uint32_t* d[4] = {&d0, &d1, nullptr, nullptr};
+  cta_of(t).ldmatrix(t, 2, false, row_address, d);
 }
 
 void mma_m16n8k16(ptx::Type16 type, ptx::MmaLane const& operands, float& d0, float& d1, float& d2, float& d3) {

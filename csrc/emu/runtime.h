@@ -122,6 +122,7 @@ void run_cta(KernelDesc const& kernel, CtaCoord const& cta, CtaBody body, void c
 using Site = std::source_location;
 
 void ldmatrix_x4(bool trans, void const* row_address, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3);
+void ldmatrix_x2(void const* row_address, uint32_t& d0, uint32_t& d1);  // non-transposed .x2
 void mma_m16n8k16(ptx::Type16 type, ptx::MmaLane const& operands, float& d0, float& d1, float& d2, float& d3);
 float shfl_bfly(float value, int lane_mask, Site site);
 void cp_async_16(void const* global_src, void* shared_dst);

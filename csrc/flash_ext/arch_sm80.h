@@ -15,6 +15,8 @@
 //                                        m16n8k16 fp32-accumulating atom for Element (fp16 or bf16)
 //   using LdsmN, LdsmT                    ldmatrix .x4 (b16 pairs) and .x4.trans ops (SM75_U32x4_LDSM_N /
 //                                        SM75_U16x8_LDSM_T interface and Copy_Traits)
+//   using LdsmNx2                         ldmatrix .x2 (SM75_U32x2_LDSM_N): an n8 B operand (the backward's
+//                                        S/dP at head dim 256)
 //   using CpAsync                         16-byte cp.async.cg global->shared op
 //   using VecCopy                         16-byte register<->shared / register->global vector moves
 //   cp_async_fence(), cp_async_wait<N>()  commit the copies issued so far as a group / wait for all but N groups
@@ -51,6 +53,7 @@ struct Sm80Arch : PlainGlobalMemory {
                                  cute::SM80_16x8x16_F32BF16BF16F32_TN>;
   using LdsmN = cute::SM75_U32x4_LDSM_N;
   using LdsmT = cute::SM75_U16x8_LDSM_T;
+  using LdsmNx2 = cute::SM75_U32x2_LDSM_N;
   using CpAsync = cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>;
   using VecCopy = cute::AutoVectorizingCopyWithAssumedAlignment<128>;
 

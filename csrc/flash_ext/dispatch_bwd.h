@@ -30,9 +30,12 @@ constexpr int bwd_tile_smem_bytes(BwdTileConfig t, int head_dim) {
 //    part: the backward's kernels are the largest of the library and a second config per head dim would double
 //    their compile time.  (A 163/227 KB part could take 128-key tiles at head dims 96-256.)
 //  - The CTA holds dK and dV for block_n keys in registers for its whole walk: 2 x block_n x head_dim / threads
-//    fp32 per thread, the dominant register cost.  block_n is chosen so that this stays <= 64 (at most 128 for
-//    head dim 256), leaving room for S and dP (block_m x block_n / threads each) or the dQ accumulator
-//    (block_m x head_dim / threads), which are live at different times.
+//    fp32 per thread, the dominant register cost.  block_n and the warp count keep this <= 64, leaving room
+//    for S and dP (block_m x block_n / threads each) or the dQ accumulator (block_m x head_dim / threads),
+//    which are live at different times.  At head dim 256 that takes 8 warps on a 32 x 32 tile (with 4 warps,
+//    dK + dV were 128 fp32 per thread and all 24 kernels spilled 56-320 bytes); S and dP then have 8 columns
+//    per warp (2 x 4 warps), loaded with ldmatrix.x2 (traits_sm80_bwd.h).  The alternative, 64 x 32 on 8
+//    warps, needs 104 KB: more than sm_86's 99 KB.
 //  - block_m = 64 (32 at head dim 256): each K/V tile is reused by every query tile it sees, and each query
 //    tile's Q/dO loads serve block_n keys; 64 keeps the S/dP accumulators small.
 //  - Warps split both dimensions of each output (no cross-warp reduction exists in the backward), as
@@ -43,7 +46,7 @@ constexpr BwdTileConfig sm80_bwd_tile_config(int head_dim) {
   if (head_dim <= 96) { return {64, 64, 8, 2, 4, 4, true}; }    // 78 KB; dK+dV 48, S+dP 32
   if (head_dim <= 128) { return {64, 64, 8, 2, 4, 2, true}; }   // 98 KB; dK+dV 64, S+dP 32
   if (head_dim <= 192) { return {64, 32, 8, 4, 2, 2, false}; }  // 82 KB; dK+dV 48, S+dP 16
-  return {32, 32, 4, 2, 2, 2, false};                           // 70 KB; dK+dV 128, S+dP 16
+  return {32, 32, 8, 2, 2, 2, false};                           // 70 KB; dK+dV 64, S+dP 8
 }
 
 constexpr bool bwd_tile_configs_fit() {

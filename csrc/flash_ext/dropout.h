@@ -100,9 +100,10 @@ CUTE_HOST_DEVICE bool dropout_keep(DropoutRng const& rng, int i, int j) {
 // 1 / (1 - p) scale is applied once, to O, in the softmax's finalize.
 //
 // GPU traits: Traits::dropout_groups views a thread's accumulator fragment (MMA, MMA_M, MMA_N) as (SLOT,
-// GROUP) with the slots in the contract's order; slot 0's coordinate anchors the group, one Philox call per
-// group, and bit 8 g + s is slot s of group g (tests/cpp/test_dropout.cpp checks the view against the contract
-// for every thread of every tile config).
+// GROUP) with the slots in the contract's order: 8 per whole group, or 4 per half group where a thread holds
+// only half of each (traits_sm80_common.h).  Slot 0's coordinate anchors the group (its contract slot is 0 or
+// 4), one Philox call per view group, and bit kSlots g + s is slot s of group g (tests/cpp/test_dropout.cpp
+// checks the view against the contract for every thread of every tile config).
 // Host traits: the whole tile is one thread's fragment, and both steps are the CPU level's micro-kernels
 // (Traits::dropout_keep_tile / dropout_apply_tile, host_isa.h), which evaluate the contract a vector of group
 // rows per Philox call and keep the bits in the accumulator's element order.  The test checks both the same
@@ -133,20 +134,25 @@ CUTE_HOST_DEVICE DropoutBits<Traits, AccLayout> dropout_keep_bits(Coord const& c
     Traits::template dropout_keep_tile<AccLayout>(bits.word, rng, row0, col0);
   } else {
     Tensor gC = make_tensor(coord.data(), Traits::dropout_groups(coord.layout()));  // (SLOT,GROUP) -> (m,n)
+    // kSlots = 8: whole groups; 4: half groups (rows {R, R + 8} x columns {c, c + 1} or {c + 8, c + 9}), whose
+    // contract slots are 0-3 or 4-7 by the column.
+    constexpr int kSlots = decltype(size<0>(gC))::value;
     constexpr int kGroups = decltype(size<1>(gC))::value;
-    static_assert(decltype(size<0>(gC))::value == 8 && kGroups * 8 == Bits::kElems);
+    static_assert((kSlots == 8 || kSlots == 4) && kGroups * kSlots == Bits::kElems);
     CUTE_UNROLL
     for (int w = 0; w < Bits::kWords; ++w) { bits.word[w] = 0; }
     auto group = [&](int g) {
-      uint32_t const grow = dropout_group_row(row0 + int(get<0>(gC(0, g))));
-      uint32_t const gcol = dropout_group_col(col0 + int(get<1>(gC(0, g))));
-      Philox4<uint32_t> const r = philox4x32_10<uint32_t>(gcol, grow, rng.bh, rng.offset_lo, rng.key0, rng.key1);
+      int const i = row0 + int(get<0>(gC(0, g))), j = col0 + int(get<1>(gC(0, g)));
+      Philox4<uint32_t> const r = philox4x32_10<uint32_t>(dropout_group_col(j), dropout_group_row(i), rng.bh,
+                                                          rng.offset_lo, rng.key0, rng.key1);
+      int const first = kSlots == 8 ? 0 : dropout_slot(i, j);  // a half group's first slot: 0 or 4
       uint32_t byte = 0;
       CUTE_UNROLL
-      for (int s = 0; s < 8; ++s) {
-        byte |= uint32_t(dropout_slot_bits(r.x[0], r.x[1], r.x[2], r.x[3], s) < rng.threshold) << s;
+      for (int s = 0; s < kSlots; ++s) {
+        byte |= uint32_t(dropout_slot_bits(r.x[0], r.x[1], r.x[2], r.x[3], first + s) < rng.threshold) << s;
       }
-      bits.word[kOneGroupAtATime ? 0 : g / 4] |= byte << (8 * (g % 4));
+      int const bit = kSlots * g;
+      bits.word[kOneGroupAtATime ? 0 : bit / 32] |= byte << (bit % 32);
     };
     if constexpr (kOneGroupAtATime) {
       static_assert(Bits::kWords == 1, "a rolled loop indexes the words at run time: one word stays in a register");
@@ -168,11 +174,12 @@ CUTE_HOST_DEVICE void apply_dropout_bits(Acc& acc, Bits const& bits) {
     Traits::dropout_apply_tile(acc, bits.word);
   } else {
     Tensor gP = make_tensor(acc.data(), Traits::dropout_groups(acc.layout()));  // (SLOT,GROUP)
+    constexpr int kSlots = decltype(size<0>(gP))::value;
     CUTE_UNROLL
     for (int g = 0; g < size<1>(gP); ++g) {
       CUTE_UNROLL
-      for (int s = 0; s < 8; ++s) {
-        bool const keep = (bits.word[(8 * g + s) / 32] >> ((8 * g + s) % 32)) & 1u;
+      for (int s = 0; s < kSlots; ++s) {
+        bool const keep = (bits.word[(kSlots * g + s) / 32] >> ((kSlots * g + s) % 32)) & 1u;
         gP(s, g) = keep ? gP(s, g) : 0.f;  // a select: the outcome is random, a branch would mispredict
       }
     }

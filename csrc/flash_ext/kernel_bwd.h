@@ -158,7 +158,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
   auto smem_thr_copy_QdO = smem_tiled_copy_QdO.get_thread_slice(tidx);
   Tensor tSsQ = smem_thr_copy_QdO.partition_S(sQ);                                          // (CPY,CPY_M,CPY_K)
   Tensor tdPsdO = smem_thr_copy_QdO.partition_S(sdO);                                       // (CPY,CPY_M,CPY_K)
-  auto smem_tiled_copy_KV = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
+  auto smem_tiled_copy_KV = make_tiled_copy_B(typename Traits::SmemCopyAtomSdPB{}, tiled_mma_sdp);
   auto smem_thr_copy_KV = smem_tiled_copy_KV.get_thread_slice(tidx);
   Tensor tSsK = smem_thr_copy_KV.partition_S(sK);                                           // (CPY,CPY_N,CPY_K)
   Tensor tdPsV = smem_thr_copy_KV.partition_S(sV);                                          // (CPY,CPY_N,CPY_K)

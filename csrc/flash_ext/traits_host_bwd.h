@@ -60,6 +60,7 @@ struct HostBwdTraits : HostTraits<kHeadDim_, kBlockM_, kBlockN_, Element_> {
 
   using SmemCopyAtom = cute::Copy_Atom<cute::UniversalCopy<Element>, Element>;
   using SmemCopyAtomTransposed = SmemCopyAtom;
+  using SmemCopyAtomSdPB = SmemCopyAtom;
   using SmemCopyAtomPdS = cute::Copy_Atom<cute::UniversalCopy<ElementPdS>, ElementPdS>;
   using SmemCopyAtomPdSTransposed = SmemCopyAtomPdS;
   using SmemCopyAtomStorePdS = SmemCopyAtomPdS;

@@ -58,20 +58,23 @@ struct Sm80BwdTraits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 3
 
   using MmaOp = typename Arch::template Mma<Element>;
   // kAtomM warps along the output's rows (16 rows each per step), kNWarps / kAtomM along its columns.  The
-  // column permutation gives each warp 16 contiguous columns per step (two n8 atoms side by side) instead of
-  // two 8-column pieces kNWarps / kAtomM * 8 apart: 16 columns are what one ldmatrix.x4 of a B operand loads.
-  template <int kAtomM>
+  // column permutation gives each warp kColStep contiguous columns per step: 16 (two n8 atoms side by side,
+  // what one ldmatrix.x4 of a B operand loads) instead of two 8-column pieces kNWarps / kAtomM * 8 apart;
+  // or 8 (one n8 atom, B loaded by ldmatrix.x2) where the output has fewer than 16 columns per warp.
+  template <int kAtomM, int kColStep>
   using WarpTiledMma = cute::TiledMMA<
       cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kAtomM>, cute::Int<kNWarps / kAtomM>, cute::_1>>,
       cute::Tile<cute::Int<16 * kAtomM>,
-                 cute::Layout<cute::Shape<cute::_8, cute::Int<kNWarps / kAtomM>, cute::_2>,
-                              cute::Stride<cute::_1, cute::_16, cute::_8>>,
+                 cute::Layout<cute::Shape<cute::_8, cute::Int<kNWarps / kAtomM>, cute::Int<kColStep / 8>>,
+                              cute::Stride<cute::_1, cute::Int<kColStep>, cute::_8>>,
                  cute::_16>>;
-  using TiledMmaSdP = WarpTiledMma<kAtomMSdP>;
-  using TiledMmadKV = WarpTiledMma<kAtomNdKV>;
-  using TiledMmadQ = WarpTiledMma<kAtomMdQ>;
+  // S and dP at head dim 256 (32 x 32 on 8 warps, 2 x 4) are the one output narrower than 16 columns per warp.
+  static constexpr int kColStepSdP = kBlockN % (16 * (kNWarps / kAtomMSdP)) == 0 ? 16 : 8;
+  using TiledMmaSdP = WarpTiledMma<kAtomMSdP, kColStepSdP>;
+  using TiledMmadKV = WarpTiledMma<kAtomNdKV, 16>;
+  using TiledMmadQ = WarpTiledMma<kAtomMdQ, 16>;
   static_assert(kNWarps % kAtomMSdP == 0 && kNWarps % kAtomNdKV == 0 && kNWarps % kAtomMdQ == 0);
-  static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * (kNWarps / kAtomMSdP)) == 0, "S/dP tile");
+  static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (kColStepSdP * (kNWarps / kAtomMSdP)) == 0, "S/dP tile");
   static_assert(kBlockN % (16 * kAtomNdKV) == 0 && kHeadDim % (16 * (kNWarps / kAtomNdKV)) == 0, "dK/dV tile");
   static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim % (16 * (kNWarps / kAtomMdQ)) == 0, "dQ tile");
   static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "P/dS are k16 operands along both dimensions");
@@ -103,6 +106,9 @@ struct Sm80BwdTraits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 3
 
   using SmemCopyAtom = cute::Copy_Atom<typename Arch::LdsmN, Element>;
   using SmemCopyAtomTransposed = cute::Copy_Atom<typename Arch::LdsmT, Element>;
+  // B of S and dP (K, V): one ldmatrix loads the 16 x kColStepSdP slab of a warp's step.
+  using SmemCopyAtomSdPB =
+      cute::Copy_Atom<std::conditional_t<kColStepSdP == 16, typename Arch::LdsmN, typename Arch::LdsmNx2>, Element>;
   using SmemCopyAtomPdS = SmemCopyAtom;
   using SmemCopyAtomPdSTransposed = SmemCopyAtomTransposed;
   using SmemCopyAtomStorePdS = cute::Copy_Atom<typename Arch::VecCopy, Element>;

@@ -56,12 +56,18 @@ struct Sm80TraitsCommon : Arch_ {
   // Dropout groups (dropout.h): in the m16n8 accumulator a thread holds rows {R, R + 8} x columns {c, c + 1}
   // of each atom (value index: column bit + 2 x row half), and the atom pair (n, n + 1), n even, adds columns
   // {c + 8, c + 9}: exactly one group of the contract, in slot order.  ((2, 2), MMA_M, MMA_N) ->
-  // ((2, 2, 2), (MMA_M, MMA_N / 2)): one Philox call per group, none wasted.  tests/cpp/test_dropout.cpp
+  // ((2, 2, 2), (MMA_M, MMA_N / 2)): one Philox call per group, none wasted.  Where a warp's step is one n8
+  // atom (MMA_N odd: the backward's S/dP at head dim 256), a thread holds half of each group, slots 0-3 or 4-7
+  // by its column: ((2, 2), (MMA_M, MMA_N)), and each call serves 4 of its 8 slots.  tests/cpp/test_dropout.cpp
   // checks the view for every thread of every forward and backward tile config.
   template <class Layout>
   CUTE_HOST_DEVICE static constexpr auto dropout_groups(Layout acc) {
-    auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)
-    return cute::make_layout(cute::get<0>(a), cute::make_layout(cute::get<1>(a), cute::get<2>(a)));
+    if constexpr (decltype(cute::size<2>(acc))::value % 2 == 0) {
+      auto a = acc_to_a_layout(acc);  // ((2, 2, 2), MMA_M, MMA_N / 2)
+      return cute::make_layout(cute::get<0>(a), cute::make_layout(cute::get<1>(a), cute::get<2>(a)));
+    } else {
+      return cute::make_layout(cute::get<0>(acc), cute::make_layout(cute::get<1>(acc), cute::get<2>(acc)));
+    }
   }
 };
 

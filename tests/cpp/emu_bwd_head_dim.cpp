@@ -2,7 +2,8 @@
 // warp emulator, for test_emu_bwd_heads: every static variant the dispatcher has (even, general causal and
 // not, dropout) with both dtypes, and the deterministic dQ order with several dQ slices.  Each run must be
 // clean (zero findings) and within the GPU path's tolerance of the float64 gradient (emu_bwd_case.h).
-// test_emu_bwd.cpp holds head dims 64 and 256 and the injected faults; this covers the other tile configs.
+// test_emu_bwd.cpp holds head dim 64 (every variant), one head-dim-256 case and the injected faults; this covers
+// the other tile configs and head dim 256's other variants (its S/dP steps of 8 columns give dropout half groups).
 #undef NDEBUG
 #include <string>
 

@@ -107,14 +107,21 @@ void check_tile_mask(char const* name, int live_rows = 1 << 30) {
     for (int t = 0; t < Traits::kNThreads; ++t) {
       auto tScS = tiled_mma.get_thread_slice(t).partition_C(cS);
       if constexpr (requires { Traits::dropout_groups(tScS.layout()); }) {
-        // The GPU's (slot, group) view follows the contract's slot order.
+        // The GPU's (slot, group) view follows the contract's slot order: whole groups (8 slots from slot 0)
+        // or half groups (4 slots from slot 0 or 4).
         auto gC = make_tensor(tScS.data(), Traits::dropout_groups(tScS.layout()));
+        constexpr int kSlots = decltype(size<0>(gC))::value;
+        static_assert(kSlots == 8 || kSlots == 4);
         for (int g = 0; g < size<1>(gC); ++g) {
-          int const R = row0 + int(get<0>(gC(0, g))), c = col0 + int(get<1>(gC(0, g)));
-          for (int s = 0; s < 8; ++s) {
+          int const i0 = row0 + int(get<0>(gC(0, g))), j0 = col0 + int(get<1>(gC(0, g)));
+          int const first = flash_ext::dropout_slot(i0, j0);
+          if (first % kSlots != 0 || first + kSlots > 8) { ++bad; }
+          // (R, c): the group's slot-0 element, whether or not this view holds it.
+          int const R = i0 - flash_ext::dropout_slot_row(first), c = j0 - flash_ext::dropout_slot_col(first);
+          for (int s = 0; s < kSlots; ++s) {
             int const i = row0 + int(get<0>(gC(s, g))), j = col0 + int(get<1>(gC(s, g)));
-            if (i != R + flash_ext::dropout_slot_row(s) || j != c + flash_ext::dropout_slot_col(s) ||
-                flash_ext::dropout_slot(i, j) != s) {
+            if (i != R + flash_ext::dropout_slot_row(first + s) || j != c + flash_ext::dropout_slot_col(first + s) ||
+                flash_ext::dropout_slot(i, j) != first + s) {
               ++bad;
             }
           }

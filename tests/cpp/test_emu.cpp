@@ -305,6 +305,50 @@ void test_divergence() {
   CHECK(count(r2, Check::kDivergence) == 1, "a shuffle an exited lane never joins: %s", dump(r2).c_str());
 }
 
+// ldmatrix.x2 feeds one n8 B operand: lanes 0-15 address B^T's 8 rows (k 0-7, then k 8-15); the addresses
+// of lanes 16-31 are not used by the instruction, so a wild one there must be neither read nor reported.
+void test_ldmatrix_x2_mma(ptx::Type16 type) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> small(-8, 8);
+  uint16_t A[16][16], Bt[8][16];  // Bt[n][k]
+  for (auto& r : A) for (auto& x : r) x = ptx::from_float_rn(type, float(small(rng)) / 4);
+  for (auto& r : Bt) for (auto& x : r) x = ptx::from_float_rn(type, float(small(rng)) / 8);
+  Harness h(32, 1024);
+  float D[16][8] = {};
+  h.body = [&](int lane, char* smem) {
+    auto* s = reinterpret_cast<uint16_t*>(smem);
+    if (lane == 0) {
+      for (int i = 0; i < 256 + 128; ++i) { clear_store(s + i, 2); }
+      std::memcpy(s, A, 512);
+      std::memcpy(s + 256, Bt, 256);
+    }
+    clear_done(here());
+    barrier(here());
+    uint32_t a[4], b[2];
+    ldmatrix_x4(false, s + (lane % 16) * 16 + (lane / 16) * 8, a[0], a[1], a[2], a[3]);
+    char const* wild = smem + 4096 + 3;  // outside shared memory and misaligned
+    ldmatrix_x2(lane < 16 ? static_cast<void const*>(s + 256 + (lane % 8) * 16 + 8 * (lane / 8)) : wild, b[0], b[1]);
+    ptx::MmaLane in{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {}};
+    float d[4];
+    mma_m16n8k16(type, in, d[0], d[1], d[2], d[3]);
+    int const g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) D[i < 2 ? g : g + 8][2 * t + (i & 1)] = d[i];
+  };
+  Report const& r = h.run();
+  // 32-byte rows: two wavefronts in each of A's 4 phases and B's 2; nothing from lanes 16-31 of the .x2.
+  CHECK(r.total() == 6 && count(r, Check::kBankConflict) == 6 && r.stats.extra_wavefronts == 6,
+        "ldmatrix.x2 kernel: expected exactly the 6 two-way bank conflicts of its layout: %s", dump(r).c_str());
+  double max_err = 0;
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      double ref = 0;
+      for (int k = 0; k < 16; ++k) ref += double(ptx::to_float(type, A[m][k])) * double(ptx::to_float(type, Bt[n][k]));
+      max_err = std::max(max_err, std::abs(ref - D[m][n]));
+    }
+  CHECK(max_err == 0, "ldmatrix.x2 + mma (%s) differs from A.B by %g", type == ptx::Type16::kF16 ? "f16" : "bf16",
+        max_err);
+}
+
 // ldmatrix rows `stride` bytes apart: 16 (consecutive) is conflict-free, 128 puts all 8 rows of a phase
 // on the same four banks: 8 wavefronts per phase instead of 1.
 void test_banks(int stride, bool global_store_check) {
@@ -369,6 +413,8 @@ int main() {
   test_ldmatrix_mma<true>(ptx::Type16::kF16);
   test_ldmatrix_mma<false>(ptx::Type16::kBF16);
   test_ldmatrix_mma<true>(ptx::Type16::kBF16);
+  test_ldmatrix_x2_mma(ptx::Type16::kF16);
+  test_ldmatrix_x2_mma(ptx::Type16::kBF16);
   test_shfl();
   test_race(true);
   test_race(false);

@@ -1,7 +1,7 @@
 // The Sm80 backward at the head dims test_emu_bwd.cpp leaves out, on the warp emulator (emu_bwd_head_dim.cpp,
 // one object per head dim, each registering its cases).  Built only when CMake is given
 // -DFLASH_EXT_EMU_BWD_HEADDIMS="32;96;..." (CMakeLists.txt): each head dim costs minutes of compilation, more
-// than CI's budget holds; `python -m pytest -m full tests/test_cpp_host.py` builds and runs 32, 96, 128, 192.
+// than CI's budget holds; `python -m pytest -m full tests/test_cpp_host.py` builds and runs 32, 96, 128, 192, 256.
 #include <algorithm>
 #include <cstdio>
 

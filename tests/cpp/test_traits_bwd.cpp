@@ -52,6 +52,13 @@ bool same_coords(A const& a, B const& b) {
   return true;
 }
 
+// Lanes of a warp whose source addresses a copy instruction uses: ldmatrix.x2 takes rows from lanes 0-15 only
+// (CuTe gives lanes 16-31 copies of those rows' addresses, which the hardware ignores).
+template <class CopyAtom>
+constexpr int kSourceLanes = 32;
+template <class E>
+constexpr int kSourceLanes<Copy_Atom<SM75_U32x2_LDSM_N, E>> = 16;
+
 // One tiled MMA of an (R x C) output with operand tiles A (R x K) and B (C x K): coverage and operand copies.
 // warps_r / warps_c: warps along the output's rows / columns (each A element is read by warps_c warps).
 template <class TiledMma, class CopyAtomA, class CopyAtomB, class CopyAtomC, int R, int C, int K>
@@ -77,8 +84,8 @@ void check_mma(std::string const& name, int threads, int warps_r, int warps_c) {
     auto ta = copy_a.get_thread_slice(t);
     auto tb = copy_b.get_thread_slice(t);
     auto tc = copy_c.get_thread_slice(t);
-    cpyA.add(ta.partition_S(cA));
-    cpyB.add(tb.partition_S(cB));
+    if (t % 32 < kSourceLanes<CopyAtomA>) { cpyA.add(ta.partition_S(cA)); }
+    if (t % 32 < kSourceLanes<CopyAtomB>) { cpyB.add(tb.partition_S(cB)); }
     // The coordinate a copy delivers into register slot i (its D partition) against the coordinate the MMA
     // reads from the register that slot is (retile_D of the MMA's own partition).
     a_pairs = a_pairs && same_coords(ta.partition_D(cA), ta.retile_D(tCcA));
@@ -113,7 +120,7 @@ void check_traits(std::string const& name, int warps_m_sdp, int warps_n_dkv, int
   using E = typename Traits::Element;
   using P = typename Traits::ElementPdS;
   // S = Q.K^T, dP = dO.V^T: A = Q/dO (M, D), B = K/V (N, D).
-  check_mma<typename Traits::TiledMmaSdP, typename Traits::SmemCopyAtom, typename Traits::SmemCopyAtom,
+  check_mma<typename Traits::TiledMmaSdP, typename Traits::SmemCopyAtom, typename Traits::SmemCopyAtomSdPB,
             typename Traits::SmemCopyAtomStorePdS, M, N, D>(name + " S/dP", T, warps_m_sdp, w / warps_m_sdp);
   // dV = P^T.dO, dK = dS^T.Q: A = P^T/dS^T (N, M), B = dO^T/Q^T (D, M).
   check_mma<typename Traits::TiledMmadKV, typename Traits::SmemCopyAtomPdSTransposed,
