@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Resource usage of every compiled forward and backward kernel, main-loop metrics of the forward kernels;
-the no-spill and feed-rate gates.
+"""Resource usage of every compiled forward and backward kernel, main-loop metrics of both; the no-spill
+gate and the forward's feed-rate gate.
 
 Reads the CUDA binaries embedded in the built extension (or object files) with ``cuobjdump`` (from the CUDA
 toolkit, or the ``nvidia-cuda-cuobjdump`` pip package) and writes markdown tables:
 
 * resources (``--dump-resource-usage``) of the forward and backward kernels (the attention kernels and the
   backward's pre/postprocess): registers, shared memory, stack/local bytes, estimated CTAs/SM;
-* the forward's main loop, read from the SASS (``-sass``, parsed by ``sass_loop.py``, whose docstring gives
-  the method and its limits): per iteration and warp the HMMA, ldmatrix, shared stores, cp.async and global
-  loads, and FMA per shared-memory byte next to the arch's bar (``FEED_BAR``).
+* the main loop of the forward and of the backward, read from the SASS (``-sass``, parsed by ``sass_loop.py``,
+  whose docstring gives the method and its limits): per iteration and warp the HMMA, ldmatrix, shared stores,
+  cp.async and global loads, and FMA per shared-memory byte, next to the arch's bar (``FEED_BAR``) for the
+  forward (the backward's table is informational).
 
 With ``--gate`` it exits non-zero if any kernel has a stack frame or local memory (register spills land
 there), or if a forward kernel's FMA per shared-memory byte is below its arch's bar and not covered by a
@@ -178,13 +179,13 @@ def parse(so: str, cuobjdump: str) -> list[dict]:
 
 
 def loop_metrics(so: str, cuobjdump: str) -> dict[tuple[int, str], sass_loop.LoopMetrics | None]:
-    """Main-loop metrics of every forward kernel in `so`, keyed by (arch, mangled name)."""
+    """Main-loop metrics of every forward and backward kernel in `so`, keyed by (arch, mangled name)."""
     done = subprocess.run([cuobjdump, "-sass", so], capture_output=True, text=True, env=sass_env())
     if done.returncode != 0:
         sys.exit(f"kernel_report: `{cuobjdump} -sass {so}` failed (exit {done.returncode}): {done.stderr.strip()}")
     text = done.stdout
     return {(fn.arch, fn.name): sass_loop.main_loop(fn) for fn in sass_loop.parse_sass(text)
-            if "flash_fwd_kernel" in fn.name}
+            if "flash_fwd_kernel" in fn.name or "flash_bwd_kernel" in fn.name}
 
 
 def feed_check(row: dict) -> str | None:
@@ -203,7 +204,7 @@ def feed_check(row: dict) -> str | None:
     return None if ratio >= floor else f"{ratio:.2f} FMA/B below its waiver floor {floor:.1f}"
 
 
-def loop_table(rows: list[dict]) -> str:
+def loop_table(rows: list[dict], gated: bool = True) -> str:
     head = ("| arch | head dim | dtype | tile (M x N, warps) | flags | HMMA (FMA) | LDSM (bytes) | cp.async (bytes) "
             "| STS / LDS bytes | LDG | BAR | instructions | FMA / smem byte | bar |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -220,7 +221,7 @@ def loop_table(rows: list[dict]) -> str:
             body += f"| sm_{r['arch']} | {r['hd']} | {r['dtype']} | {tile} | {r['flags']} | no loop found |||||||||\n"
             continue
         s = lm.steady
-        bar = FEED_BAR.get(r["arch"])
+        bar = FEED_BAR.get(r["arch"]) if gated else None
         verdict = "-" if bar is None else (f"{bar:.1f} met" if lm.fma_per_smem_byte >= bar - FEED_EPS else f"{bar:.1f} **below**")
         body += (f"| sm_{r['arch']} | {r['hd']} | {r['dtype']} | {tile} | {r['flags']} | {s['hmma']} ({s['fma']}) | "
                  f"{s['ldsm']} ({s['ldsm_bytes']}) | {rng(lm, 'ldgsts')} ({s['ldgsts_bytes']}) | "
@@ -245,6 +246,18 @@ the tensor cores (its arithmetic is in `kernel_report.py` and `docs/perf.md`, "D
 Method and limits: `scripts/sass_loop.py` (loop = the back edge whose region holds the most HMMA;
 per-path sums over the region's forward-edge DAG; static counts, predicated instructions count as
 executed).
+
+"""
+
+
+BWD_LOOP_TEXT = """## Backward main loop, per iteration and warp (from the SASS)
+
+One iteration is one query tile of a CTA's walk over its K/V tile: the five GEMMs (S = Q K^T, dP = dO V^T,
+dV += P^T dO, dK += dS^T Q, dQ = dS K), the P and dS stores to shared memory, the next Q/dO copies.  Counted
+as above (LDSM.x2 256 bytes per warp, STS: P and dS); `red.global.add` of dQ counts as instructions only.
+Not gated: no feed bar is set for the backward (its tiles are chosen by registers and sm_86's 99 KB of
+shared memory, `dispatch_bwd.h`), so the bar column is empty; the forward's bars above say what the ratios
+would need to be for the tensor cores to be fed.
 
 """
 
@@ -287,11 +300,15 @@ def main() -> int:
             f"backward (2 or 3 M + 2N) x head dim x 2 + 2 M x N x 2 bytes (dispatch_bwd.h).  "
             f"CTAs/SM is min(65536 / (registers x threads), smem per SM / smem per CTA).\n\n"
             f"{len(rows)} kernels, {len(bad)} with stack or local memory.\n\n" + head + body)
-    fwd_rows = [r for r in rows if r["kernel"] == "fwd"]  # the main-loop metrics cover the forward kernels
+    fwd_rows = [r for r in rows if r["kernel"] == "fwd"]  # the feed-rate gate covers the forward kernels
+    bwd_rows = [r for r in rows if r["kernel"] == "bwd"]
     starved = [] if args.no_loops else [(r, why) for r in fwd_rows for why in [feed_check(r)] if why]
     if not args.no_loops:
         text += "\n" + LOOP_TEXT + loop_table(fwd_rows)
         print(loop_table(fwd_rows), end="")
+        if bwd_rows:
+            text += "\n" + BWD_LOOP_TEXT + loop_table(bwd_rows, gated=False)
+            print(loop_table(bwd_rows, gated=False), end="")
     if args.out:
         # Hand-written notes below the marker (measurements such as compile times) survive a regeneration.
         out = pathlib.Path(args.out)
