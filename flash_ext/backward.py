@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers the ops' fake kernels)
-from .interface import _window_size_error
+from .interface import _window_size_error, maybe_contiguous
 
 __all__ = ["flash_attn_backward", "flash_attn_varlen_backward"]
 
@@ -27,9 +27,10 @@ Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _prepare(dout, q, k, v, out, softmax_scale, window_size, rank: int):
-    """Default scale, window check, and zero-padding of the head dim to a multiple of 8 (zeros change no dot
-    product, and their gradients are dropped).  Inputs the op will reject pass through untouched so that its
-    error names what the caller gave.  Returns ``(dout, q, k, v, out, scale, head_dim, padded)``."""
+    """Default scale, window check, a contiguous last dimension (as flash_attn's backward makes them), and
+    zero-padding of the head dim to a multiple of 8 (zeros change no dot product, and their gradients are
+    dropped).  Inputs the op will reject pass through otherwise untouched so that its error names what the
+    caller gave.  Returns ``(dout, q, k, v, out, scale, head_dim, padded)``."""
     error = _window_size_error(window_size)
     if error:
         raise ValueError(f"flash_ext: {error}")
@@ -37,7 +38,7 @@ def _prepare(dout, q, k, v, out, softmax_scale, window_size, rank: int):
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
     padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
-    tensors = (dout, q, k, v, out)
+    tensors = tuple(maybe_contiguous(t) for t in (dout, q, k, v, out))
     if padded != head_dim and all(t.dim() == rank and t.shape[-1] == head_dim for t in tensors):
         tensors = tuple(F.pad(t, [0, padded - head_dim]) for t in tensors)
     return (*tensors, float(softmax_scale), head_dim, padded)

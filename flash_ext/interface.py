@@ -38,12 +38,22 @@ def _check_python_args(dropout_p: float, window_size) -> None:
         raise ValueError("flash_ext: " + "; ".join(errors))
 
 
+def maybe_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` with a contiguous last dimension (a copy only when it is strided), as flash_attn makes its inputs
+    before the kernel call; None and 0-d tensors pass through for the op's checks to name."""
+    if t is None or t.dim() == 0 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
 def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float], rank: int,
                  kv_rank: Optional[int] = None):
-    """Default scale from the caller's head dim, then zero-padding of the head dim to a multiple of 8 (the
-    kernels' vector width; zeros change no dot product).  Inputs the op will reject pass through untouched so
-    its error names what the caller gave.  ``kv_rank``: k/v's rank when it differs from q's (paged K/V under
-    a varlen q).  Returns ``(q, k, v, softmax_scale, head_dim)``."""
+    """Default scale from the caller's head dim, a contiguous last dimension (as flash_attn does), then
+    zero-padding of the head dim to a multiple of 8 (the kernels' vector width; zeros change no dot product).
+    Inputs the op will reject pass through otherwise untouched so its error names what the caller gave.
+    ``kv_rank``: k/v's rank when it differs from q's (paged K/V under a varlen q).  Returns ``(q, k, v,
+    softmax_scale, head_dim)``."""
+    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
     kv_rank = rank if kv_rank is None else kv_rank
     head_dim = q.shape[-1] if q.dim() >= 1 else 0
     if softmax_scale is None:
@@ -68,7 +78,7 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     num_splits: int = 0,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]:
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Exact softmax attention without materialising the (seqlen_q, seqlen_k) score matrix.
 
     Semantics follow flash_attn 2.8's ``flash_attn_func``:
@@ -105,7 +115,7 @@ def flash_attn_func(
 
     Returns ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs=True`` returns
     ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is fp32 ``(batch, nheads, seqlen_q)`` and
-    ``S_dmask`` is None without dropout, else (testing only) the softmax probabilities
+    ``S_dmask`` is an empty tensor without dropout (as flash_attn's), else (testing only) the softmax probabilities
     ``(batch, nheads, seqlen_q, seqlen_k)`` in q's dtype with the dropped ones negated (``-0.0`` for a
     dropped 0), recomputed after the kernel by an O(seqlen_q x seqlen_k) path (flash_ext/dropout.py).
     Unlike flash_attn's, it is normalised and not padded to multiples of 128.
@@ -119,7 +129,7 @@ def flash_attn_func(
         out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    probs = None
+    probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
     if dropout_p > 0:
         probs = s_dmask(q, k, lse, rng_state, float(dropout_p), softmax_scale, bool(causal),
                         (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes)
@@ -189,11 +199,13 @@ def flash_attn_varlen_func(
 
     q ``(total_q, nheads, headdim)``, k/v ``(total_k, nheads_k, headdim)``; sequence ``i`` is rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` of k/v (int32, length
-    batch + 1, starting at 0).  ``max_seqlen_q``/``max_seqlen_k`` must be at least the longest sequence.
+    batch + 1, starting at 0).  ``max_seqlen_q``/``max_seqlen_k`` must be at least the longest sequence.  Rows
+    of q past ``cu_seqlens_q[-1]`` (a batch padded to a fixed size) belong to no sequence: O = 0, LSE = +inf
+    and zero gradients there (not written when the index values are trusted, see below).
     ``seqused_k`` (int32, (batch,)), if given, uses only the first ``seqused_k[i]`` keys of sequence ``i``.
     Causal and window masks are aligned per sequence (bottom-right); all other arguments as in
     ``flash_attn_func``.  Returns ``out (total_q, nheads, headdim)``, or with ``return_attn_probs``
-    ``(out, softmax_lse (nheads, total_q) fp32, None)``.
+    ``(out, softmax_lse (nheads, total_q) fp32, S_dmask)`` (``S_dmask`` as in ``flash_attn_func``).
 
     The cu_seqlens values are validated (on CUDA this costs one device-to-host copy of them); set
     ``FLASH_EXT_TRUST_CU_SEQLENS=1`` to skip that when they are known to be valid.  ``num_splits`` as in
@@ -215,7 +227,7 @@ def flash_attn_varlen_func(
         out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    probs = None
+    probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
     if dropout_p > 0:
         probs = s_dmask_varlen(q, k, lse, rng_state, float(dropout_p), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                int(max_seqlen_k), softmax_scale, bool(causal),

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .interface import _window_size_error
+from .interface import _window_size_error, maybe_contiguous
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -70,6 +70,14 @@ def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.T
                    else repr(cache_seqlens))
             errors.append(f"cache_seqlens: got {got}; must be an int or an int32 tensor of shape ({b},)")
     return errors
+
+
+def _inference_cache_outside_inference_mode(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether an append would update an inference tensor (created under ``torch.inference_mode()``) outside
+    inference mode.  Never under ``torch.compile``: its graphs trace normal tensors."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return False
+    return k_cache.is_inference() or v_cache.is_inference()
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -136,6 +144,8 @@ def flash_attn_with_kvcache(
     if errors:
         raise ValueError(f"flash_ext.flash_attn_with_kvcache: {len(errors)} invalid argument"
                          f"{'s' if len(errors) > 1 else ''}:" + "".join(f"\n  - {e}" for e in errors))
+    # As flash_attn: q and the new k/v may have a strided last dimension (the caches may not: they are written).
+    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
     b, sq = q.shape[0], q.shape[1]
     dev = q.device
     paged = block_table is not None
@@ -167,10 +177,19 @@ def flash_attn_with_kvcache(
         # The cache is plain storage (no autograd history), in the cache's dtype.
         k, v = k.detach().to(k_cache.dtype), v.detach().to(v_cache.dtype)
 
-    out, lse = torch.ops.flash_ext.kvcache_fwd(
-        q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
-        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
-        rotary_len, rotary_rows)
+    args = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
+            bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
+            rotary_len, rotary_rows)
+    if k is not None and _inference_cache_outside_inference_mode(k_cache, v_cache):
+        # torch refuses an in-place update of an inference tensor outside inference mode, and it does so after
+        # the op has run (the version-counter bump): the cache would be appended to by a call that raises.
+        # flash_attn (a plain extension call) appends; so does this, in inference mode, with outputs returned
+        # as normal tensors as flash_attn's are.
+        with torch.inference_mode():
+            out, lse = torch.ops.flash_ext.kvcache_fwd(*args)
+        out, lse = out.clone(), lse.clone()
+    else:
+        out, lse = torch.ops.flash_ext.kvcache_fwd(*args)
     differentiable = [t for t in (q, k_cache, v_cache, alibi_slopes) if t is not None and t.requires_grad]
     if differentiable and torch.is_grad_enabled():
         out, lse = _ForwardOnly.apply(out.detach(), lse.detach(), *differentiable)

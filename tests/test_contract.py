@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flash_ext
+from flash_ext import reference
 from conftest import ALL_HEAD_DIMS, head_dim_skip_reason, skip_unless_head_dim_built
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -267,3 +268,131 @@ def test_einops_is_a_declared_dependency() -> None:
     import tomllib
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(re.match(r"einops\b", d) for d in deps), deps
+
+
+# -- flash_attn 2.8 compatibility found by an audit against its source (2026-12-03) ---------------------
+
+def _strided_last(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, last-dimension stride 2."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def test_strided_last_dimension_is_made_contiguous_as_in_flash_attn() -> None:
+    """flash_attn's Python layer makes q/k/v (and dout) contiguous when stride(-1) != 1; these calls were
+    refused with a ValueError.  The strided call must equal the float64 reference and the contiguous call."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 17, 4, 64), torch.randn(2, 23, 2, 64), torch.randn(2, 23, 2, 64)
+    qs, ks, vs = (_strided_last(t) for t in (q, k, v))
+    assert qs.stride(-1) == 2
+    out = flash_ext.flash_attn_func(qs, ks, vs, causal=True)
+    ref, _ = reference.attention_ref(q, k, v, causal=True)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert torch.equal(out, flash_ext.flash_attn_func(q, k, v, causal=True))
+    cu = torch.tensor([0, 7, 17], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 23], dtype=torch.int32)
+    out_v = flash_ext.flash_attn_varlen_func(qs[0], ks[0], vs[0], cu, cu_k, 10, 14)
+    assert torch.equal(out_v, flash_ext.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 10, 14))
+    # kvcache: q and the new k/v (the caches are written in place and must stay as given)
+    kc, vc = torch.zeros(2, 32, 2, 64), torch.zeros(2, 32, 2, 64)
+    kc2, vc2 = kc.clone(), vc.clone()
+    o1 = flash_ext.flash_attn_with_kvcache(qs[:, :1], kc, vc, ks[:, :3], vs[:, :3], cache_seqlens=5)
+    o2 = flash_ext.flash_attn_with_kvcache(q[:, :1], kc2, vc2, k[:, :3], v[:, :3], cache_seqlens=5)
+    assert torch.equal(o1, o2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # the explicit backward with a strided dout
+    out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    g1 = flash_ext.flash_attn_backward(_strided_last(dout), q, k, v, out, lse)
+    g2 = flash_ext.flash_attn_backward(dout, q, k, v, out, lse)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_varlen_q_rows_past_the_last_sequence() -> None:
+    """flash_attn takes total_q = q.shape[0] and accepts q with rows past cu_seqlens_q[-1] (batches padded to a
+    fixed token count, e.g. for CUDA graphs); this was refused.  The real rows equal the unpadded call and the
+    float64 reference; the padding rows get O = 0, LSE = +inf and zero gradients (flash_attn leaves them
+    unwritten)."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(16, 2, 64, requires_grad=True), torch.randn(12, 2, 64), torch.randn(12, 2, 64)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out, lse, _ = flash_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 7, causal=True, return_attn_probs=True)
+    assert out.shape == (16, 2, 64) and lse.shape == (2, 16)
+    for i in range(2):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        ref, ref_lse = reference.attention_ref(q[None, qs].detach(), k[None, ks], v[None, ks], causal=True)
+        assert (out[qs].detach().double() - ref[0]).abs().max() < 1e-5
+        assert (lse[:, qs].double() - ref_lse[0]).abs().max() < 1e-5
+    assert torch.equal(out[10:], torch.zeros(6, 2, 64)) and bool(torch.isposinf(lse[:, 10:]).all())
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q_real = q[:10].detach().clone().requires_grad_()
+    out_real = flash_ext.flash_attn_varlen_func(q_real, k, v, cu_q, cu_k, 6, 7, causal=True)
+    out_real.backward(dout[:10])
+    assert torch.equal(q.grad[:10], q_real.grad) and torch.equal(q.grad[10:], torch.zeros(6, 2, 64))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]: got 17; must be <= the number of rows 16"):
+        flash_ext.flash_attn_varlen_func(q.detach(), k, v, torch.tensor([0, 4, 17], dtype=torch.int32), cu_k, 13, 7)
+
+
+def test_s_dmask_is_an_empty_tensor_without_dropout() -> None:
+    """flash_attn returns torch.empty(0) (q's dtype) as S_dmask without dropout; callers use .numel() on it."""
+    q = torch.randn(1, 5, 2, 32, dtype=torch.bfloat16)
+    for fn, args in [(flash_ext.flash_attn_func, (q, q, q)),
+                     (flash_ext.flash_attn_varlen_func, (q[0], q[0], q[0], torch.tensor([0, 5], dtype=torch.int32),
+                                                         torch.tensor([0, 5], dtype=torch.int32), 5, 5))]:
+        s_dmask = fn(*args, return_attn_probs=True)[2]
+        assert isinstance(s_dmask, torch.Tensor) and s_dmask.shape == (0,) and s_dmask.dtype == torch.bfloat16
+
+
+def test_kvcache_append_to_an_inference_tensor_outside_inference_mode() -> None:
+    """A cache made under torch.inference_mode() and a step run outside it (under no_grad): torch refuses the
+    op's in-place update only after the op ran, so the cache was appended to by a call that raised (and a
+    retry appended twice).  flash_attn appends; so must this, once, returning normal tensors."""
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        kc, vc = torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64)
+    kc_plain, vc_plain = kc.clone(), vc.clone()  # outside inference mode: normal tensors
+    q, kn, vn = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    with torch.no_grad():
+        out, lse = flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=3, return_softmax_lse=True)
+    expected = flash_ext.flash_attn_with_kvcache(q, kc_plain, vc_plain, kn, vn, cache_seqlens=3)
+    assert torch.equal(out, expected) and torch.equal(kc, kc_plain) and torch.equal(vc, vc_plain)
+    assert torch.equal(kc[:, 3:4], kn) and not out.is_inference() and not lse.is_inference()
+
+
+def test_kvcache_append_into_overlapping_caches_is_refused() -> None:
+    """An expand()ed cache (entries sharing memory), one tensor as both caches, or two batch entries appending
+    to one cache entry: one append overwrote another, a silently wrong result.  Refused before any write."""
+    q, kn = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    base = torch.randn(1, 16, 2, 64)
+    shared = base.expand(2, 16, 2, 64)
+    vc = torch.randn(2, 16, 2, 64)
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"k_cache: got strides \[0, .*must not overlap itself"):
+        flash_ext.flash_attn_with_kvcache(q, shared, vc, kn, kn, cache_seqlens=3)
+    assert torch.equal(base, before)
+    kc = torch.randn(2, 16, 2, 64)
+    with pytest.raises(ValueError, match="k_cache/v_cache: got tensors sharing memory"):
+        flash_ext.flash_attn_with_kvcache(q, kc, kc, kn, kn, cache_seqlens=3)
+    with pytest.raises(ValueError, match="cache_batch_idx: got value 1 repeated"):
+        flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=3,
+                                          cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32))
+    # without an append, shared or repeated entries are only read: allowed
+    out = flash_ext.flash_attn_with_kvcache(q, shared, shared, cache_seqlens=3,
+                                            cache_batch_idx=torch.tensor([0, 0], dtype=torch.int32))
+    assert out.shape == q.shape
+
+
+def test_index_value_errors_name_the_value() -> None:
+    """The rule: an error names the argument, the value and the rule.  Three index errors named only where."""
+    qv, kv = torch.randn(10, 2, 64), torch.randn(12, 2, 64)
+    cq, ck = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seqused_k: got value 6 at index 0; must be within \[0, that sequence's key count 5\]"):
+        flash_ext.flash_attn_varlen_func(qv, kv, kv, cq, ck, 6, 7, seqused_k=torch.tensor([6, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: got a decrease at index 2 \(6 then 4\)"):
+        flash_ext.flash_attn_varlen_func(qv, kv, kv, torch.tensor([0, 6, 4, 10], dtype=torch.int32),
+                                         torch.tensor([0, 5, 6, 12], dtype=torch.int32), 6, 7)
+    with pytest.raises(ValueError, match=r"block_table: got value 9 at \[1, 0\]"):
+        flash_ext.flash_attn_with_kvcache(torch.randn(2, 1, 2, 64), torch.randn(4, 128, 2, 64), torch.randn(4, 128, 2, 64),
+                                          cache_seqlens=100, block_table=torch.tensor([[0], [9]], dtype=torch.int32))

@@ -81,7 +81,7 @@ def run_case(device, sq, sk, d, heads, flags, dtype, batch=None):
         kw["alibi_slopes"] = kw["alibi_slopes"].to(device)
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device, q_scale=q_scale)
     out, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
-    assert probs is None
+    assert probs.shape == (0,) and probs.dtype == q.dtype  # flash_attn's empty S_dmask without dropout
     context = f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {flags} {DTYPE_NAMES[dtype]} {device} {kw}"
     check_close(out, lse, q, k, v, context=context, **kw)
 
@@ -440,11 +440,11 @@ def test_return_structure(device):
     o, lse, p = res
     assert torch.equal(o, out)
     assert lse.shape == (2, 4, 33) and lse.dtype == torch.float32 and lse.device == q.device
-    assert p is None
+    assert p.shape == (0,) and p.dtype == q.dtype and p.device == q.device
     for fn, args in [(flash_attn_qkvpacked_func, (torch.stack([q, q, q], 2),)),
                      (flash_attn_kvpacked_func, (q, torch.stack([k, v], 2)))]:
         r = fn(*args, return_attn_probs=True)
-        assert isinstance(r, tuple) and len(r) == 3 and r[2] is None
+        assert isinstance(r, tuple) and len(r) == 3 and r[2].shape == (0,)
         assert isinstance(fn(*args), torch.Tensor)
 
 

@@ -168,6 +168,7 @@ at::Tensor launch_bwd(BwdParams& p, at::Tensor const& dout, at::Tensor const& q,
     gq.kernel.zero_();
     gk.kernel.zero_();
     gv.kernel.zero_();
+    softmax_d.zero_();
   }
   p.softmax_d_ptr = softmax_d.data_ptr<float>();
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
@@ -255,7 +256,8 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   }
 
   // Index values: one host read (on CUDA one copy; trusted while capturing or with FLASH_EXT_TRUST_CU_SEQLENS=1).
-  // Rows no used key or query covers are never written by the kernels; zero_grads says whether there may be any.
+  // Rows no used key or query covers are never written by the kernels (nor their softmax_d); zero_grads says
+  // whether there may be any.
   bool zero_grads = true;
   IndexValues idx;
   int const s_cu_q = idx.add(cu_ok ? std::optional<at::Tensor>(cu_seqlens_q) : std::nullopt);
@@ -264,20 +266,24 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   if (shapes_ok && cu_ok && used_ok && idx.read(q.device())) {
     int const* cu_q = idx.values(s_cu_q);
     int const* cu_k = idx.values(s_cu_k);
-    check_cu_seqlens_values(c, cu_q, b + 1, "cu_seqlens_q", q.size(0), /*total_exact=*/true, max_seqlen_q, "max_seqlen_q");
+    // Rows of q past the last sequence (a padded batch, as the forward accepts) get zero gradients.
+    check_cu_seqlens_values(c, cu_q, b + 1, "cu_seqlens_q", q.size(0), /*total_exact=*/false, max_seqlen_q, "max_seqlen_q");
     check_cu_seqlens_values(c, cu_k, b + 1, "cu_seqlens_k", k.size(0), /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
-    bool all_keys_used = cu_k[b] == k.size(0);
+    bool every_row_covered = cu_k[b] == k.size(0) && cu_q[b] == q.size(0);
     if (seqused_k.has_value()) {
       int const* used = idx.values(s_used);
       int64_t bad = -1;
       for (int64_t i = 0; i < b; ++i) {
         int64_t const keys = int64_t(cu_k[i + 1]) - cu_k[i];
         if (bad < 0 && (used[i] < 0 || used[i] > keys)) { bad = i; }
-        all_keys_used = all_keys_used && used[i] == keys;
+        every_row_covered = every_row_covered && used[i] == keys;
       }
-      c.require(bad < 0, "seqused_k", "value at index " + std::to_string(bad), "must be within [0, that sequence's key count]");
+      c.require(bad < 0, "seqused_k",
+                bad < 0 ? "" : "value " + std::to_string(used[bad]) + " at index " + std::to_string(bad),
+                "must be within [0, that sequence's key count" +
+                    (bad < 0 ? "" : " " + std::to_string(int64_t(cu_k[bad + 1]) - cu_k[bad])) + "]");
     }
-    zero_grads = !all_keys_used;
+    zero_grads = !every_row_covered;
   }
   c.raise_if_any();
 

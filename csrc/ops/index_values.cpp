@@ -92,7 +92,10 @@ void check_cu_seqlens_values(ArgChecker& c, int const* x, int64_t n, char const*
     if (x[i + 1] < x[i] && first_drop < 0) { first_drop = i + 1; }
     longest = std::max<int64_t>(longest, int64_t(x[i + 1]) - x[i]);
   }
-  c.require(first_drop < 0, name, "a decrease at index " + std::to_string(first_drop), "must be non-decreasing");
+  c.require(first_drop < 0, name,
+            first_drop < 0 ? "" : "a decrease at index " + std::to_string(first_drop) + " (" + std::to_string(x[first_drop - 1]) +
+                                      " then " + std::to_string(x[first_drop]) + ")",
+            "must be non-decreasing");
   bool const total_ok = total_exact ? x[n - 1] == total : (x[n - 1] >= 0 && x[n - 1] <= total);
   c.require(total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
             std::string(total_exact ? "must equal " : "must be <= ") + "the number of rows " + std::to_string(total));
@@ -103,15 +106,17 @@ void check_cu_seqlens_values(ArgChecker& c, int const* x, int64_t n, char const*
 void check_pages(ArgChecker& c, int const* table, int64_t width, int64_t batch, int64_t page_size, int64_t num_pages,
                  char const* which, std::string const& pages_of,
                  std::function<std::pair<int64_t, int64_t>(int64_t)> const& rows) {
-  int64_t bad = -1;
+  int64_t bad = -1, bad_col = -1;
   for (int64_t i = 0; i < batch && bad < 0; ++i) {
     auto const [begin, end] = rows(i);
     for (int64_t j = std::max<int64_t>(begin, 0) / page_size; j < std::min(width, (end + page_size - 1) / page_size); ++j) {
       int const page = table[i * width + j];
-      if (page < 0 || page >= num_pages) { bad = i; }
+      if (bad < 0 && (page < 0 || page >= num_pages)) { bad = i, bad_col = j; }
     }
   }
-  c.require(bad < 0, "block_table", "an entry of batch row " + std::to_string(bad),
+  c.require(bad < 0, "block_table",
+            bad < 0 ? "" : "value " + std::to_string(table[bad * width + bad_col]) + " at [" + std::to_string(bad) + ", " +
+                               std::to_string(bad_col) + "]",
             std::string(which) + " must index " + pages_of + " pages [0, " + std::to_string(num_pages) + ")");
 }
 

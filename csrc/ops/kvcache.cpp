@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -122,6 +123,16 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
               str(k->device()) + "/" + str(v->device()), "must equal the cache's device (" + str(k_cache.device()) + ")");
     new_ok = shape_ok;
     seqlen_new = shape_ok ? k->size(1) : 0;
+    // Appending writes the caches: a cache whose entries share memory (an expand()ed tensor) or the same
+    // storage passed as both caches would have one append overwrite another, a silently wrong result.
+    for (auto [cache, name] : {std::pair<at::Tensor const&, char const*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
+      c.require(at::has_internal_overlap(cache) != at::MemOverlap::Yes, name,
+                "strides " + str(cache.strides()) + " with overlapping elements",
+                "is appended to in place: must not overlap itself (e.g. not an expand()ed tensor)");
+    }
+    at::MemOverlapStatus const kv_overlap = at::get_overlap_status(k_cache, v_cache);
+    c.require(kv_overlap != at::MemOverlapStatus::Full && kv_overlap != at::MemOverlapStatus::Partial, "k_cache/v_cache",
+              "tensors sharing memory", "are both appended to in place: must not overlap each other");
   }
 
   auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
@@ -181,7 +192,15 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
               "must cover positions cache_seqlens + [0, " + std::to_string(rotary_rows) + ") (batch entry " +
                   std::to_string(bad_rotary) + " goes past them)");
     if (cache_batch_idx.has_value()) {
-      check_index_range(c, ix_values.values(s_idx), b, "cache_batch_idx", k_cache.size(0), "k_cache's batch dimension");
+      int const* entry = ix_values.values(s_idx);
+      check_index_range(c, entry, b, "cache_batch_idx", k_cache.size(0), "k_cache's batch dimension");
+      if (seqlen_new > 0) {  // two batch entries appending to one cache entry would overwrite each other
+        std::vector<int> sorted(entry, entry + b);
+        std::sort(sorted.begin(), sorted.end());
+        auto const dup = std::adjacent_find(sorted.begin(), sorted.end());
+        c.require(dup == sorted.end(), "cache_batch_idx", dup == sorted.end() ? "" : "value " + std::to_string(*dup) + " repeated",
+                  "must be distinct when new k/v are appended (each entry writes its own cache rows)");
+      }
     }
     if (paged && bad_len < 0) {
       check_pages(c, ix_values.values(s_table), block_table->size(1), b, page_size, k_cache.size(0),

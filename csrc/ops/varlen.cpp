@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "common.h"
 #include "dropout.h"
@@ -47,6 +48,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
 
   // Index values: one host read of all of them (on CUDA one copy; trusted while capturing).
   IndexValues idx;
+  // q may hold rows past the last sequence (cu_seqlens_q[-1] < total_q: a batch padded to a fixed token count,
+  // as flash_attn accepts); they get O = 0 and LSE = +inf, like rows that see no key.  -1: not known (trusted
+  // index values), then those rows are not written, as in flash_attn.
+  int64_t q_rows_used = -1;
   int const s_cu_q = idx.add(cu_ok ? std::optional<at::Tensor>(cu_seqlens_q) : std::nullopt);
   int const s_cu_k = idx.add(cu_ok ? std::optional<at::Tensor>(cu_seqlens_k) : std::nullopt);
   int const s_used = idx.add(used_ok ? seqused_k : std::nullopt);
@@ -55,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     int const* cu_q = idx.values(s_cu_q);
     int const* cu_k = idx.values(s_cu_k);
     int64_t const n = b + 1;
-    check_cu_seqlens_values(c, cu_q, n, "cu_seqlens_q", q.size(0), /*total_exact=*/true, max_seqlen_q, "max_seqlen_q");
+    check_cu_seqlens_values(c, cu_q, n, "cu_seqlens_q", q.size(0), /*total_exact=*/false, max_seqlen_q, "max_seqlen_q");
+    q_rows_used = cu_q[n - 1];
     // Paged: the keys are not rows of k, so only the per-sequence bounds below limit cu_seqlens_k.
     int64_t const k_rows = paged ? std::max<int64_t>(b * capacity, 0) : k.size(0);
     check_cu_seqlens_values(c, cu_k, n, "cu_seqlens_k", k_rows, /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
@@ -76,7 +82,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       for (int64_t i = 0; i < b && bad < 0; ++i) {
         if (used[i] < 0 || used[i] > keys(i)) { bad = i; }
       }
-      c.require(bad < 0, "seqused_k", "value at index " + std::to_string(bad), "must be within [0, that sequence's key count]");
+      c.require(bad < 0, "seqused_k",
+                bad < 0 ? "" : "value " + std::to_string(used[bad]) + " at index " + std::to_string(bad),
+                "must be within [0, that sequence's key count" + (bad < 0 ? "" : " " + std::to_string(keys(bad))) + "]");
     }
   }
   c.raise_if_any();
@@ -84,7 +92,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   int64_t const total_q = q.size(0), h = q.size(1), d = q.size(2);
   at::Tensor out = at::empty({total_q, h, d}, q.options());
   at::Tensor lse = at::empty({h, total_q}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0 || b == 0 || max_seqlen_q == 0) { return {out, lse, idle_rng_state(q, dropout_p, rng_state)}; }
+  auto write_padding_rows = [&] {  // the kernels write only rows of sequences
+    if (q_rows_used >= 0 && q_rows_used < total_q) {
+      out.narrow(0, q_rows_used, total_q - q_rows_used).zero_();
+      lse.narrow(1, q_rows_used, total_q - q_rows_used).fill_(INFINITY);
+    }
+  };
+  if (out.numel() == 0 || b == 0 || max_seqlen_q == 0) {
+    write_padding_rows();
+    return {out, lse, idle_rng_state(q, dropout_p, rng_state)};
+  }
   at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
   std::optional<at::Tensor> used, table;
   if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
@@ -107,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   auto const accum = set_splits(p, in.q, num_splits, total_q);
   DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);  // the mask's batch index: the sequence
   launch(p, in, out, accum, "flash_ext.varlen_fwd");
+  write_padding_rows();  // after the launch: prepare_inputs poisons all of out and lse in test mode
   return {out, lse, dropout.out};
 }
 
