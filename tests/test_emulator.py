@@ -193,12 +193,15 @@ def test_varlen(hd: int, paged: bool) -> None:
     else:
         k, v = torch.cat(k_seqs), torch.cat(v_seqs)
         extra = {}
+    # Three rows past the last sequence (a padded batch): no kernel touches them; O = 0 and LSE = +inf.
+    q_padded = torch.cat([q, torch.randn(3, h, d, dtype=dtype)])
     with flash_ext.emulate():
-        out, lse, _ = flash_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+        out, lse, _ = flash_ext.flash_attn_varlen_func(q_padded, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                                        return_attn_probs=True, **kw, **extra)
     context = f"varlen hd{hd} {'paged' if paged else 'packed'}"
     assert_clean(context, variant="uneven")
     _check_sequences(out, lse, q, k_seqs, v_seqs, cu_q, context, **kw)
+    assert torch.equal(out[-3:], torch.zeros(3, h, d, dtype=dtype)) and bool(torch.isposinf(lse[:, -3:]).all())
 
 
 @pytest.mark.parametrize("mode", ["paged_split", "batch_idx_leftpad"])
