@@ -122,6 +122,31 @@ def _dlse(grad_lse):
     return None if grad_lse is None else grad_lse.float()
 
 
+def first_order_only(ctx, grads: tuple) -> tuple:
+    """The gradients, made to raise if differentiated again.  The backward ops have no autograd of their own,
+    so under ``create_graph=True`` the gradients would come back without a graph and a second-order loss (a
+    gradient penalty) would silently lose the attention's term; flash_attn does the same silently.  As
+    ``torch.autograd.function.once_differentiable`` does, but keyed on the saved inputs requiring grad (the
+    second-order term comes from q, k, v, not only from the incoming gradient).  The error node takes q, k and
+    v as inputs too, so that any gradient requested through these gradients reaches it (autograd prunes a
+    node that lies on no path to the requested inputs)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return grads
+    inputs = [t for t in ctx.saved_tensors[:3] if t.requires_grad]
+    if not inputs:
+        return grads
+    live = [i for i, g in enumerate(grads) if g is not None]
+    err = torch._C._functions.DelayedError(
+        b"flash_ext: the attention backward is not differentiable (no double backward, as in flash_attn, which "
+        b"silently drops the second-order term): use torch.nn.functional.scaled_dot_product_attention's math path "
+        b"for higher-order gradients", len(live) + len(inputs))
+    wrapped = err(*[grads[i].detach() for i in live], *inputs)
+    out = list(grads)
+    for i, w in zip(live, wrapped):
+        out[i] = w
+    return tuple(out)
+
+
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _num_splits, dropout_p,
      _rng_state, deterministic) = inputs
@@ -140,7 +165,7 @@ def _fwd_backward(ctx, grad_out, grad_lse, _grad_rng_state):
     torch.ops.flash_ext.bwd(_dout(grad_out, out), q, k, v, out, lse, dq, dk, dv, ctx.dropout_p, softmax_scale,
                             causal, window_left, window_right, softcap, ctx.alibi_slopes, deterministic,
                             _rng(rng_state, ctx.dropout_p), _dlse(grad_lse))
-    return (dq, dk, dv) + (None,) * 10
+    return first_order_only(ctx, (dq, dk, dv) + (None,) * 10)
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output):
@@ -168,7 +193,7 @@ def _varlen_fwd_backward(ctx, grad_out, grad_lse, _grad_rng_state):
                                    max_seqlen_q, max_seqlen_k, ctx.dropout_p, softmax_scale, causal, window_left,
                                    window_right, softcap, ctx.alibi_slopes, deterministic,
                                    _rng(rng_state, ctx.dropout_p), seqused_k, _dlse(grad_lse))
-    return (dq, dk, dv) + (None,) * 16
+    return first_order_only(ctx, (dq, dk, dv) + (None,) * 16)
 
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)

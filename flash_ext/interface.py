@@ -4,7 +4,7 @@ functions (``flash_attn_backward``, ``flash_attn_varlen_backward``) call those o
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +26,19 @@ def _window_size_error(window_size) -> Optional[str]:
     return None
 
 
-def _check_python_args(dropout_p: float, window_size) -> None:
-    """Python-side argument types; the value rules (dropout_p in [0, 1), ...) are the op's."""
+def _python_arg_errors(dropout_p: float, window_size) -> List[str]:
+    """Python-side argument types (the value rules, dropout_p in [0, 1) and the rest, are the op's)."""
     errors = []
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
         errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1)")
     window_error = _window_size_error(window_size)
     if window_error:
         errors.append(window_error)
+    return errors
+
+
+def _check_python_args(dropout_p: float, window_size) -> None:
+    errors = _python_arg_errors(dropout_p, window_size)
     if errors:
         raise ValueError("flash_ext: " + "; ".join(errors))
 

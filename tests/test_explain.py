@@ -67,3 +67,15 @@ def test_flash_ext_log_env_logs_each_call() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "[flash_ext] flash_ext.fwd" in r.stderr and '"backend": "host traits (CPU)"' in r.stderr
+
+
+def test_explain_refuses_what_the_python_layer_refuses() -> None:
+    """flash_attn_func checks window_size's shape and dropout_p's type in Python before the op; explain()
+    skipped those checks and reported ok=True (or raised TypeError for window_size=None)."""
+    q = torch.randn(1, 10, 2, 64, dtype=torch.bfloat16)
+    for kwargs, needle in [(dict(window_size=(1, 2, 3)), "window_size"), (dict(window_size=(1.5, 2)), "window_size"),
+                           (dict(window_size=None), "window_size"), (dict(dropout_p="0.1"), "dropout_p")]:
+        e = flash_ext.explain(q, q, q, verbose=False, **kwargs)
+        assert not e.ok and any(r.startswith(needle) for r in e.reasons), (kwargs, e.reasons)
+    e = flash_ext.explain(q.double(), q, q, window_size=None, verbose=False)  # the op's reasons are listed too
+    assert not e.ok and any("window_size" in r for r in e.reasons) and any("q.dtype" in r for r in e.reasons)

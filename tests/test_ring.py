@@ -303,7 +303,7 @@ def test_bad_arguments_on_one_rank_fail_every_rank(ring_run):
         kind, msg = results[r][by_name["mismatched head dim"]]["error"]
         assert kind == "ValueError" and "different arguments" in msg and "head_dim=42" in msg, (r, msg)
         kind, msg = results[r][by_name["dropout"]]["error"]
-        assert kind == "NotImplementedError" and "dropout_p=0.1" in msg and "rng_state" in msg, (r, msg)
+        assert kind == "NotImplementedError" and "dropout_p=0.1" in msg and "global" in msg, (r, msg)
     # the cases after the refused ones ran on the same group (checked by the forward tests)
 
 

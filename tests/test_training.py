@@ -227,3 +227,24 @@ def test_compile_backward_graph_has_the_bwd_op(device):
     out = aot_function(f, fw_compiler=compiler, bw_compiler=compiler)(q, k, v)
     out.backward()
     assert any("flash_ext.fwd" in t for t in seen) and any("flash_ext.bwd" in t for t in seen), seen
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_double_backward_raises_instead_of_dropping_the_term(varlen):
+    """A gradient penalty (create_graph=True, then a gradient of the first-order gradient) lost the attention's
+    second-order term silently (the backward op has no autograd); it must raise.  The first-order gradients
+    taken with create_graph=True are unchanged."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    w = torch.randn(1, 8, 2, 16)
+    if varlen:
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        attn = lambda q, k, v: flash_ext.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5)[None]
+    else:
+        attn = flash_ext.flash_attn_func
+    out = attn(q, k, v)
+    gq, = torch.autograd.grad((out * w).sum(), q, create_graph=True)
+    gq_plain, = torch.autograd.grad((attn(q, k, v) * w).sum(), q)
+    assert torch.equal(gq.detach(), gq_plain)
+    with pytest.raises(RuntimeError, match="attention backward is not differentiable"):
+        torch.autograd.grad((gq ** 2).sum(), k)

@@ -259,6 +259,31 @@ def test_sliding_window_is_not_a_no_op():
     assert cosine(output_of(fx, ids_for(), None), output_of(fx_wide, ids_for(), None)) < 0.9999
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_bidirectional_window_with_padding_matches_reference(side):
+    """A bidirectional sliding window (ModernBERT's local layers) over a padded batch, against eager's rule
+    |i - j| < w on the padded positions in float64.  Packing only the keys shifted every right-padded row's
+    window by its padding (error ~2): the queries are packed too."""
+    class Module(torch.nn.Module):
+        is_causal = False
+
+    torch.manual_seed(0)
+    b, h, s, d, w = 2, 2, 10, 16, 3
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(b, s, dtype=torch.bool)
+    if side == "right":
+        mask[1, 6:] = False
+    else:
+        mask[1, :4] = False
+    got, _ = fx_hf.attention_forward(Module(), q.float(), k.float(), v.float(), mask, scaling=d ** -0.5,
+                                     sliding_window=w)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    allowed = ((i - j).abs() <= w - 1)[None, None] & mask[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
+    ref = (torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v).transpose(1, 2)
+    assert (got.double() - ref)[mask].abs().max() < 1e-5
+
+
 def test_packed_sequences_match_eager():
     """Padding-free batch: three sequences in one row, told apart by position_ids restarting at 0."""
     eager, fx = model_pair(LlamaForCausalLM, llama_config())

@@ -22,8 +22,9 @@ LSE ``(b, h, s_local)`` of those rows), with flash_ext's semantics: masks aligne
 of the *global* problem, ``seqlen_q = W * s_q`` and ``seqlen_k = W * s_k`` (``s_q`` may differ from ``s_k``),
 softcap, local windows, MQA/GQA (``h % h_k == 0``), any head dim the build has.  Gradients flow to q, k, v.
 
-Not supported (refused with ``NotImplementedError`` before anything is sent): ``dropout_p > 0`` (flash_ext has
-no dropout yet; a ring needs the kernels' explicit ``rng_state`` to replay each step's mask in the backward) and
+Not supported (refused with ``NotImplementedError`` before anything is sent): ``dropout_p > 0`` (the kernels'
+dropout mask is a function of each call's own row and column indices, and a ring step's block would need the mask at
+its global coordinates, the same in the forward and the backward) and
 ``alibi_slopes`` (the kernels measure the ALiBi distance from each call's own corner, not the global diagonal).
 
 Requirements of a call (all ranks of ``group`` call it together, like any collective, forward and backward):
@@ -95,8 +96,9 @@ def _local_errors(q, k, v, dropout_p, window_size, alibi_slopes, zigzag: bool) -
     unsupported: List[str] = []
     if dropout_p != 0.0:
         unsupported.append(
-            f"dropout_p={dropout_p}: ring attention with dropout needs flash_ext's dropout with an explicit rng_state "
-            f"(to replay each step's mask in the backward), which is not implemented yet; only dropout_p=0.0 works")
+            f"dropout_p={dropout_p}: ring attention with dropout is not implemented (the kernels' dropout mask is "
+            f"drawn at each call's own row/column indices, a ring step would need it at the global ones); only "
+            f"dropout_p=0.0 works")
     if alibi_slopes is not None:
         unsupported.append(
             "alibi_slopes: not supported by ring attention (the kernels measure the ALiBi distance from each "

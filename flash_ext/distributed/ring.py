@@ -20,6 +20,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._ops import first_order_only
 from .layout import Block, band_of, plan_step, shard_pieces
 from .merge import finalize, merge_partial_
 
@@ -264,4 +265,4 @@ class RingFlashAttnFunction(torch.autograd.Function):
         if dlse is not None:
             dlse = dlse.to(torch.float32).contiguous()
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.spec, Ring(ctx.group), dlse)
-        return dq, dk, dv, None, None
+        return first_order_only(ctx, (dq, dk, dv, None, None))  # no double backward: raise, never drop the term

@@ -35,19 +35,19 @@ What the model hands over and what flash_ext makes of it
   the ``is_causal`` argument or ``module.is_causal``; flash_ext's causal mask is aligned bottom-right, which
   is exactly "query i is token sk - sq + i" of a KV-cache step.  GQA/MQA need no copies (``h % hk == 0``).
     - no mask: ``flash_attn_func``;
-    - a key mask, causal: queries and keys are packed with the mask (``unpad_input``'s gather; queries with
-      its last ``sq`` columns), ``flash_attn_varlen_func`` runs, ``pad_input`` scatters the output back
-      (padding rows are 0);
-    - a key mask, bidirectional: only the keys are packed; every query row attends to the real keys of its
-      batch entry.  This is also right for cross-attention, where the mask describes the encoder's tokens and
+    - a key mask, causal or with a sliding window: queries and keys are packed with the mask (``unpad_input``'s
+      gather; queries with its last ``sq`` columns), ``flash_attn_varlen_func`` runs, ``pad_input`` scatters
+      the output back (padding rows are 0);
+    - a key mask, bidirectional without a window: only the keys are packed; every query row attends to the
+      real keys of its batch entry.  This is also right for cross-attention, where the mask describes the encoder's tokens and
       says nothing about the queries;
     - ``PackedSequences`` or the ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments of a padding-free
       batch: ``flash_attn_varlen_func`` on the flattened tokens.
   ``scaling``, ``sliding_window`` (the model's convention: a window of ``w`` keys ends at the query, so
   flash_ext's ``window_size=(w - 1, 0)``, or ``(w - 1, w - 1)`` bidirectional), ``softcap`` (Gemma-2) and
-  ``dropout`` (training) are passed through; flash_ext raises ``NotImplementedError`` for what it does not
-  implement yet (the backward).  With padding, a sliding window counts real tokens, not positions: the
-  same as eager attention whenever each row's real tokens are contiguous (left or right padding).
+  ``dropout`` (training) are passed through; the backward is flash_ext's (training works).  With padding, a
+  sliding window counts real tokens, not positions (queries and keys are both packed): the same as eager
+  attention whenever each row's real tokens are contiguous (left or right padding).
 
 Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be
 expressed), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
@@ -406,7 +406,8 @@ def _varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, common) -> torch.Tensor:
 
 
 def _padded(q, k, v, mask: torch.Tensor, common) -> torch.Tensor:
-    """A 2-D key mask: pack the real keys (and for causal attention the real queries), run varlen, unpack."""
+    """A 2-D key mask: pack the real keys (and for causal or windowed attention the real queries), run varlen,
+    unpack."""
     batch, seqlen_q = q.shape[0], q.shape[1]
     keys = mask.bool()
     if keys.shape[0] != batch:
@@ -423,18 +424,22 @@ def _padded(q, k, v, mask: torch.Tensor, common) -> torch.Tensor:
     k_unpad = bert_padding.index_first_axis(_flatten(k), idx_k)
     v_unpad = bert_padding.index_first_axis(_flatten(v), idx_k)
     # max_seqlen: the padded lengths bound every sequence and need no device read-back.
-    if not common["causal"]:
+    windowed = tuple(common["window_size"]) != (-1, -1)
+    if not common["causal"] and not windowed:
         # Each query row attends to its row's real keys, whatever the row is (a padding query's output is as
         # unused as eager's); queries stay in place, so cross-attention (mask over the encoder) is right too.
         cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, device=q.device, dtype=torch.int32)
         out = flash_attn_varlen_func(_flatten(q), k_unpad, v_unpad, cu_q, cu_k, seqlen_q, seqlen_k, **common)
         return rearrange(out, "(b s) h d -> b s h d", b=batch)
     if seqlen_q > seqlen_k:
-        raise ValueError(f"{_ERR}.attention_forward: causal attention with {seqlen_q} queries but {seqlen_k} keys: "
+        kind = "causal" if common["causal"] else "windowed"
+        raise ValueError(f"{_ERR}.attention_forward: {kind} attention with {seqlen_q} queries but {seqlen_k} keys: "
                          "the queries must be the last keys (self-attention)")
-    # Causal self-attention: the queries are the last seqlen_q tokens, so the mask's last columns say which
-    # are real.  Packing both sides keeps every real token's order, and bottom-right alignment then puts each
-    # real query right after the real keys before it (its real successors are all among the queries).
+    # Causal or windowed self-attention: the queries are the last seqlen_q tokens, so the mask's last columns
+    # say which are real.  Packing both sides keeps every real token's order, and bottom-right alignment then
+    # puts each real query right after the real keys before it (its real successors are all among the
+    # queries), so a window counts real tokens on both sides.  With the queries left in place, a right-padded
+    # row's window was shifted by its padding (the kernel aligns the last query with the last real key).
     if seqlen_q == seqlen_k:
         idx_q, cu_q = idx_k, cu_k
     else:
