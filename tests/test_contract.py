@@ -172,6 +172,25 @@ def test_one_device_property_query_site() -> None:
     assert sites == [s for s in sites if s.startswith("csrc/ops/common.cpp")] and len(sites) == 1, sites
 
 
+def test_every_op_guards_its_device_before_any_device_work() -> None:
+    """The only device guards were at launch time, after the index read, the capture test and dropout's RNG
+    state had run on the *current* device: tensors on cuda:1 with cuda:0 current queried (and created a
+    context on) GPU 0, and a capture on q's device was not seen.  Each op entry now sets q's device (the
+    dropout-mask op: rng_state's) as its first statement, before its ArgChecker.  Unverified on a GPU (no
+    multi-GPU machine has run it); this checks the code's shape."""
+    ops = {"fwd.cpp": ["flash_ext.fwd", "flash_ext.fwd"], "varlen.cpp": ["flash_ext.varlen_fwd"],
+           "kvcache.cpp": ["flash_ext.kvcache_fwd"], "bwd.cpp": ["flash_ext.bwd", "flash_ext.varlen_bwd"],
+           "dropout.cpp": ["flash_ext.dropout_mask"]}
+    for name, checkers in ops.items():
+        lines = (ROOT / "csrc" / "ops" / name).read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if re.match(r'\s*ArgChecker c\("', line)]
+        assert [re.search(r'"(.*)"', lines[i]).group(1) for i in starts] == checkers, (name, starts)
+        for i in starts:
+            guard = lines[i - 1].strip()
+            assert re.fullmatch(r"c10::OptionalDeviceGuard const device_guard\(cuda_device_of\((q|rng_state)\)\);",
+                                guard), (name, i + 1, guard)
+
+
 def _count_reads(fn) -> int:
     before = flash_ext._C.index_reads()
     fn()

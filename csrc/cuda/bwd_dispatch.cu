@@ -114,7 +114,10 @@ CudaBwdPlan plan_bwd_cuda(BwdParams const& params, DType dtype, int cc_major, in
   plan.variant = select_bwd_variant(params.is_causal, problem_flags(params, tile.block_m, tile.block_n, hd));
   plan.variant_name = plan.variant >= 0 ? kBwdVariants[plan.variant].name : "";
   plan.n_blocks = ceil_div(params.seqlen_k, tile.block_n);
-  plan.dq_splits = params.deterministic ? bwd_deterministic_splits(params.b, params.h_k, plan.n_blocks, processors) : 1;
+  int64_t const slice_bytes = int64_t(params.h) * params.accum_rows * params.d * int64_t(sizeof(float));
+  plan.dq_splits =
+      params.deterministic ? cap_dq_slices(bwd_deterministic_splits(params.b, params.h_k, plan.n_blocks, processors), slice_bytes)
+                           : 1;
   plan.ok = plan.variant >= 0;
   if (!plan.ok) { plan.why = "no compiled backward variant admits this problem"; }
   return plan;

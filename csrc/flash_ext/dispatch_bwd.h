@@ -118,4 +118,20 @@ constexpr int bwd_deterministic_splits(int batch, int heads_k, int n_blocks, int
 static_assert(bwd_deterministic_splits(4, 32, 16, 132) == 2);
 static_assert(bwd_deterministic_splits(1, 1, 8, 132) == 8, "never more splits than K/V tiles");
 
+// The dQ slices of a deterministic backward (GPU) or of any CPU backward together take at most this many
+// bytes, or one slice if one is larger.  Without a cap the slice count grows as SMs / (batch x K/V heads): MQA at
+// 32K keys, 32 query heads, d 128 on an H100 asked for 132 slices of 512 MiB (66 GiB) where dQ itself is 256 MiB.
+// Fewer slices only lengthen each column's walk over the K/V tiles; the count stays a function of the shape
+// (and the GPU's SM count), so the sum order, and with it the result, is still fixed for a given shape.
+inline constexpr int64_t kDqAccumBudgetBytes = int64_t(2) << 30;
+
+constexpr int cap_dq_slices(int slices, int64_t slice_bytes) {
+  if (slice_bytes <= 0 || int64_t(slices) * slice_bytes <= kDqAccumBudgetBytes) { return slices; }
+  int64_t const fit = kDqAccumBudgetBytes / slice_bytes;
+  return fit < 1 ? 1 : int(fit);
+}
+
+static_assert(cap_dq_slices(132, int64_t(512) << 20) == 4 && cap_dq_slices(8, int64_t(1) << 20) == 8 &&
+              cap_dq_slices(3, int64_t(4) << 30) == 1);
+
 }  // namespace flash_ext

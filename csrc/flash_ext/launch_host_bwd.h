@@ -95,8 +95,9 @@ void run_bwd_host_head_dim(BwdParams const& params, HostKernels const& kernels, 
   }
 }
 
-// Precondition (the op layer's): params.dq_accum_splits == host_bwd_splits(b, h_k, ceil(seqlen_k / kHostBwdBlockN)),
-// with that many slices allocated.  `kernels`: the micro-kernels to use; nullptr: those of the selected level.
+// Precondition (the op layer's): params.dq_accum_splits slices allocated (bwd_cpu_dq_splits: host_bwd_splits
+// capped by the accumulator budget, cap_dq_slices); any count >= 1 is correct.  `kernels`: the micro-kernels to
+// use; nullptr: those of the selected level.
 template <class Element, class ParallelFor>
 void run_bwd_host(BwdParams const& params, ParallelFor&& parallel_for, HostKernels const* kernels = nullptr) {
   HostKernels const& k = kernels != nullptr ? *kernels : *host_kernels_for(host_isa_selected());

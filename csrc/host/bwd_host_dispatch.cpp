@@ -1,5 +1,6 @@
 #include "bwd_host.h"
 #include "flash_ext/bwd_api.h"
+#include "flash_ext/dispatch_bwd.h"
 
 namespace flash_ext {
 
@@ -16,7 +17,8 @@ void run_bwd_cpu(BwdParams const& params, DType dtype) {
 }
 
 int bwd_cpu_dq_splits(BwdParams const& params) {
-  return host_bwd_splits(params.b, params.h_k, ceil_div(params.seqlen_k, kHostBwdBlockN));
+  int64_t const slice_bytes = int64_t(params.h) * params.accum_rows * params.d * int64_t(sizeof(float));
+  return cap_dq_slices(host_bwd_splits(params.b, params.h_k, ceil_div(params.seqlen_k, kHostBwdBlockN)), slice_bytes);
 }
 
 }  // namespace flash_ext

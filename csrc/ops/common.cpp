@@ -508,7 +508,8 @@ std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q,
     if (t.ok) {
       // The heuristic fills the slots where CTAs run at once: SMs times the tile's resident CTAs per SM (the
       // one-warp decode tile keeps several per SM in flight to cover HBM latency).
-      int const ctas = p.b * p.h * ceil_div(p.seqlen_q, t.block_m);
+      // In 64 bits, clamped: the heuristic multiplies the count by 10 in int (a grid this large never splits).
+      int const ctas = int(std::min<int64_t>(int64_t(p.b) * p.h * ceil_div(p.seqlen_q, t.block_m), INT32_MAX / 16));
       p.num_splits = num_splits_heuristic(ctas, dev.processors * t.ctas_per_sm, ceil_div(p.seqlen_k, t.block_n),
                                           int(kMaxSplits));
     }

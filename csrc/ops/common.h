@@ -47,6 +47,12 @@ std::string str(at::ScalarType t);
 std::string str(at::Device d);
 DType to_dtype(at::ScalarType t);
 
+// t's device if it is a CUDA device, else none: what an op's device guard takes (a CPU or meta tensor leaves
+// the current device alone).
+inline std::optional<c10::Device> cuda_device_of(at::Tensor const& t) {
+  return t.is_cuda() ? std::optional<c10::Device>(t.device()) : std::nullopt;
+}
+
 // The facts about the device a call runs on that the dispatcher and the split heuristic need.  On CUDA this is
 // the only code that queries the device: ATen caches the properties per device, so a call costs no driver
 // round trip (cudaGetDeviceProperties costs about a millisecond, more than a decode step's kernel).

@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <cmath>
 #include <limits>
@@ -101,6 +102,9 @@ namespace {
 // varlen batches, sequence b's mask is [b, :, :seqlen_q_b, :seqlen_k_b].
 at::Tensor dropout_mask(at::Tensor const& rng_state, double dropout_p, int64_t batch, int64_t heads, int64_t seqlen_q,
                         int64_t seqlen_k) {
+  // Everything below (the index read, the capture test, dropout's RNG state, allocations) on rng_state's device, not
+  // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
+  c10::OptionalDeviceGuard const device_guard(cuda_device_of(rng_state));
   ArgChecker c("flash_ext.dropout_mask");
   check_dropout(c, rng_state.device(), dropout_p, rng_state);
   for (auto const& [name, x] : {std::pair{"batch", batch}, std::pair{"heads", heads}, std::pair{"seqlen_q", seqlen_q},

@@ -1,5 +1,6 @@
 // flash_ext::fwd — fixed-length batches: q (b, sq, h, d), k/v (b, sk, h_k, d).
 #include <torch/library.h>
+#include <c10/core/DeviceGuard.h>
 
 #include "common.h"
 #include "dropout.h"
@@ -49,6 +50,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
                                                    std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits,
                                                    double dropout_p, std::optional<at::Tensor> const& rng_state,
                                                    bool /*deterministic: read by the autograd formula only*/) {
+  // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
+  // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
+  c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.fwd");
   check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, dropout_p,
             rng_state);
@@ -80,6 +84,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
 Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
               int64_t window_left, int64_t window_right, double softcap,
               std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, double dropout_p) {
+  // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
+  // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
+  c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.fwd");
   check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, dropout_p,
             std::nullopt);

@@ -4,6 +4,7 @@
 // the first write, so a refused call leaves the cache bit-identical (flash_attn validates everything first).
 // Being one op with the mutation declared in its schema keeps a decode step one graph under torch.compile.
 #include <torch/library.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -98,6 +99,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     std::optional<at::Tensor> const& cache_leftpad, std::optional<at::Tensor> const& block_table, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
     int64_t num_splits, int64_t rotary_len, int64_t rotary_rows) {
+  // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
+  // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
+  c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.kvcache_fwd");
   bool const shapes_ok = check_qkv(c, q, k_cache, v_cache, /*varlen=*/false, /*kv_cache=*/true,
                                    /*paged_varlen=*/false, /*any_head_dim=*/true);

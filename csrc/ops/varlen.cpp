@@ -3,6 +3,7 @@
 // [cu_seqlens_q[i], cu_seqlens_q[i+1]) of q and its keys rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k/v
 // (paged: the first cu_seqlens_k[i+1] - cu_seqlens_k[i] rows of its pages).
 #include <torch/library.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,9 +23,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, std::optional<at::Tensor> const& block_table,
     double dropout_p, std::optional<at::Tensor> const& rng_state,
     bool /*deterministic: read by the autograd formula only*/) {
+  // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
+  // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
+  c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.varlen_fwd");
   bool const paged = block_table.has_value();
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true, /*kv_cache=*/false, /*paged_varlen=*/paged);
+  // The kernels address LSE rows as head * total_q + row with total_q in an int (params.total_q).
+  if (shapes_ok) { c.require(q.size(0) <= INT32_MAX, "q", str(q.sizes()), "total_q must be < 2^31"); }
   bool const cu_ok = check_cu_seqlens_pair(c, cu_seqlens_q, cu_seqlens_k, q.device());
   int64_t const b = std::max<int64_t>(cu_seqlens_q.numel() - 1, 0);
   bool const used_ok = check_index_tensor(c, seqused_k, "seqused_k", 1, b, q.device(), "q");
