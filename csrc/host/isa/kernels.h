@@ -168,11 +168,12 @@ constexpr int64_t kAScratch = int64_t(kRowsPerBlock) * 256;  // fp32 elements of
 enum class BWalk { kColsContiguous, kDepthContiguous, kStrided };
 
 // One register block: C(rows r < RV * kLanes, cols j < NR) += sum_k A(r, k) * B(j, k) with A packed as
-// a[k * lda + r] and B fp32 at b[j * b_ns + k * b_ks].  Columns >= ncols are computed on column 0's data
-// (kept in bounds) and not stored.
+// a[k * lda + r] and B fp32 at b[j * b_ns + k * b_ks]; with zero_start, = instead of += (C is not read: the
+// accumulators start from zero, not from a cleared C loaded back).  Columns >= ncols are computed on column
+// 0's data (kept in bounds) and not stored.
 template <int RV, int NR, BWalk kWalk>
 FLASH_EXT_INLINE void gemm_block(float* c, int64_t ldc, float const* a, int64_t lda, float const* b, int64_t b_ns,
-                                 int64_t b_ks, int depth, int ncols) {
+                                 int64_t b_ks, int depth, int ncols, bool zero_start) {
   vf acc[RV][NR];
   float const* bcol[NR];
 #pragma GCC unroll 32
@@ -180,7 +181,7 @@ FLASH_EXT_INLINE void gemm_block(float* c, int64_t ldc, float const* a, int64_t 
     bool const live = j < ncols;
     bcol[j] = b + (live ? j * b_ns : 0);
 #pragma GCC unroll 4
-    for (int i = 0; i < RV; ++i) { acc[i][j] = live ? vload(c + j * ldc + i * kLanes) : vf{}; }
+    for (int i = 0; i < RV; ++i) { acc[i][j] = live && !zero_start ? vload(c + j * ldc + i * kLanes) : vf{}; }
   }
   for (int k = 0; k < depth; ++k) {
     vf av[RV];
@@ -215,13 +216,15 @@ FLASH_EXT_INLINE void gemm_block(float* c, int64_t ldc, float const* a, int64_t 
 // (a narrower block, not a full one with idle columns).
 template <int RV, int NR, BWalk kWalk>
 FLASH_EXT_INLINE void gemm_cols(float* c, int64_t ldc, float const* a, int64_t lda, float const* b, int64_t b_ns,
-                                int64_t b_ks, int depth, int ncols) {
+                                int64_t b_ks, int depth, int ncols, bool zero_start) {
   if constexpr (NR > 0) {
     int j = 0;
     for (; j + NR <= ncols; j += NR) {
-      gemm_block<RV, NR, kWalk>(c + j * ldc, ldc, a, lda, b + j * b_ns, b_ns, b_ks, depth, NR);
+      gemm_block<RV, NR, kWalk>(c + j * ldc, ldc, a, lda, b + j * b_ns, b_ns, b_ks, depth, NR, zero_start);
     }
-    if (j < ncols) { gemm_cols<RV, NR - 1, kWalk>(c + j * ldc, ldc, a, lda, b + j * b_ns, b_ns, b_ks, depth, ncols - j); }
+    if (j < ncols) {
+      gemm_cols<RV, NR - 1, kWalk>(c + j * ldc, ldc, a, lda, b + j * b_ns, b_ns, b_ks, depth, ncols - j, zero_start);
+    }
   }
 }
 
@@ -253,7 +256,8 @@ void widen_b(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, float*
 }
 
 template <int RV>
-void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, float const* b, float* abuf) {
+void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, float const* b, float* abuf,
+               bool zero_start) {
   constexpr int NR = kAccRegs / RV;
   float const* a;
   int64_t lda;
@@ -267,11 +271,11 @@ void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
   }
   float* c = g.c + m0 + int64_t(n0) * g.ldc;
   if (g.b_ns == 1) {
-    gemm_cols<RV, NR, BWalk::kColsContiguous>(c, g.ldc, a, lda, b, 1, g.b_ks, depth, ncols);
+    gemm_cols<RV, NR, BWalk::kColsContiguous>(c, g.ldc, a, lda, b, 1, g.b_ks, depth, ncols, zero_start);
   } else if (g.b_ks == 1) {
-    gemm_cols<RV, NR, BWalk::kDepthContiguous>(c, g.ldc, a, lda, b, g.b_ns, 1, depth, ncols);
+    gemm_cols<RV, NR, BWalk::kDepthContiguous>(c, g.ldc, a, lda, b, g.b_ns, 1, depth, ncols, zero_start);
   } else {
-    gemm_cols<RV, NR, BWalk::kStrided>(c, g.ldc, a, lda, b, g.b_ns, g.b_ks, depth, ncols);
+    gemm_cols<RV, NR, BWalk::kStrided>(c, g.ldc, a, lda, b, g.b_ns, g.b_ks, depth, ncols, zero_start);
   }
 }
 
@@ -798,6 +802,13 @@ bool gemm_few_rows(HostGemmArgs const& g) {
   bool const cols_contiguous = g.b_ns == 1 && g.cols >= kLanes;
   bool const depth_contiguous = g.b_ks == 1 && g.depth % kLanes == 0;
   if (!cols_contiguous && !depth_contiguous) { return false; }
+  if (g.overwrite) {  // this path accumulates
+    HostGemmArgs z = g;
+    zero_c(z);
+    z.overwrite = false;
+    small_gemm_rows<1>(z, cols_contiguous);
+    return true;
+  }
   small_gemm_rows<1>(g, cols_contiguous);
   return true;
 }
@@ -808,17 +819,22 @@ void gemm(HostGemmArgs const& in) {
   // The tiles start from zero themselves.
   if (in.depth > 0 && in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_bf16_tiles(in); }
 #endif
-  HostGemmArgs g = in;
-  if (g.overwrite) {  // the other paths accumulate
-    zero_c(g);
-    g.overwrite = false;
+  if (in.depth <= 0) {
+    if (in.overwrite) { zero_c(in); }
+    return;
   }
-  if (g.depth <= 0) { return; }
 #if FLASH_EXT_ISA_BF16_DOT
-  if (g.b_type == HostDType::kBF16 && g.a_type != HostDType::kF16) { return gemm_bf16_dot(g); }
+  if (in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) {
+    HostGemmArgs g = in;
+    if (g.overwrite) {  // this path accumulates
+      zero_c(g);
+      g.overwrite = false;
+    }
+    return gemm_bf16_dot(g);
+  }
 #endif
-  if (gemm_few_rows(g)) { return; }
-  gemm_blocks(g);
+  if (gemm_few_rows(in)) { return; }
+  gemm_blocks(in);  // starts its accumulators from zero itself when overwriting
 }
 
 void gemm_blocks(HostGemmArgs const& g) {
@@ -849,11 +865,14 @@ void gemm_blocks(HostGemmArgs const& g) {
         widen_b(g, n0, k0, ncols, depth, bbuf);
         b = bbuf;
       }
+      // Overwriting: the first depth chunk's accumulators start from zero, so C is never cleared in memory
+      // and loaded back (the S = Q.K^T of every prefill tile, 64 KiB at 128 x 128).
+      bool const zero_start = g.overwrite && k0 == 0;
       int m0 = 0;
       for (; m0 + kRowsPerBlock <= rows; m0 += kRowsPerBlock) {
-        gemm_rows<kMaxRowVectors>(g, m0, n0, k0, ncols, depth, b, abuf);
+        gemm_rows<kMaxRowVectors>(g, m0, n0, k0, ncols, depth, b, abuf, zero_start);
       }
-      for (; m0 < rows; m0 += kLanes) { gemm_rows<1>(g, m0, n0, k0, ncols, depth, b, abuf); }
+      for (; m0 < rows; m0 += kLanes) { gemm_rows<1>(g, m0, n0, k0, ncols, depth, b, abuf, zero_start); }
     }
   }
 }
