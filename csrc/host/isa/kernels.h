@@ -288,6 +288,15 @@ void zero_c(HostGemmArgs const& g) {
   }
 }
 
+// The arguments for a path that only accumulates: C cleared first when overwriting.
+HostGemmArgs accumulating(HostGemmArgs g) {
+  if (g.overwrite) {
+    zero_c(g);
+    g.overwrite = false;
+  }
+  return g;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The bf16 GEMM of levels with vdpbf16ps: A and B as bf16 pairs along k, one instruction per pair of k.
 #if FLASH_EXT_ISA_BF16_DOT
@@ -802,14 +811,7 @@ bool gemm_few_rows(HostGemmArgs const& g) {
   bool const cols_contiguous = g.b_ns == 1 && g.cols >= kLanes;
   bool const depth_contiguous = g.b_ks == 1 && g.depth % kLanes == 0;
   if (!cols_contiguous && !depth_contiguous) { return false; }
-  if (g.overwrite) {  // this path accumulates
-    HostGemmArgs z = g;
-    zero_c(z);
-    z.overwrite = false;
-    small_gemm_rows<1>(z, cols_contiguous);
-    return true;
-  }
-  small_gemm_rows<1>(g, cols_contiguous);
+  small_gemm_rows<1>(accumulating(g), cols_contiguous);
   return true;
 }
 
@@ -824,14 +826,7 @@ void gemm(HostGemmArgs const& in) {
     return;
   }
 #if FLASH_EXT_ISA_BF16_DOT
-  if (in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) {
-    HostGemmArgs g = in;
-    if (g.overwrite) {  // this path accumulates
-      zero_c(g);
-      g.overwrite = false;
-    }
-    return gemm_bf16_dot(g);
-  }
+  if (in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_bf16_dot(accumulating(in)); }
 #endif
   if (gemm_few_rows(in)) { return; }
   gemm_blocks(in);  // starts its accumulators from zero itself when overwriting
