@@ -20,6 +20,11 @@ Knobs (environment variables):
   FLASH_EXT_GPU_FWD_WARPS   "8": every forward variant on 8 warps x 16 rows (the tiles before dispatch.h gave the
                             lean variants 4 warps x 32 rows): a baseline build to benchmark side by side with a
                             default one (scripts/gpu_check.sh); unset (default): dispatch.h's warps per variant.
+  FLASH_EXT_DEBUG_INFO      "1": keep the C++ debug information Python's own compiler flags ask for (-g).  Default:
+                            -g0 for the C++ units (host, emulator, op layer), whose CuTe templates make DWARF the
+                            dominant cost: measured on one host unit, 119 -> 55 s and 4.2 -> 2.3 GB of compiler
+                            memory, a 100 MB -> 0.3 MB object (docs/design.md, "Build cost").  The CUDA units
+                            keep -lineinfo either way (torch passes Python's -g to the C++ compiler only).
   FLASH_EXT_PTXAS_VERBOSE   "1": pass -Xptxas=-v (register/spill report per kernel, read by scripts/kernel_report.py).
   CUTLASS_INCLUDE_DIR       CUTLASS/CuTe headers; else third_party/cutlass/include; else pip nvidia-cutlass==4.2.0.0.
   CUDA_HOME                 CUDA toolkit (default /usr/local/cuda when present).
@@ -130,6 +135,9 @@ def build_extension():
            "-fopenmp"]
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
+    # Python's CFLAGS carry -g into every C++ compile (torch puts them before these flags, so -g0 wins).
+    if os.environ.get("FLASH_EXT_DEBUG_INFO", "0") != "1":
+        cxx.append("-g0")
     fwd_warps = os.environ.get("FLASH_EXT_GPU_FWD_WARPS", "").strip()
     if fwd_warps not in ("", "8"):
         sys.exit(f"flash_ext: FLASH_EXT_GPU_FWD_WARPS={fwd_warps!r}: only \"8\" (the 8-warp baseline tiles) or unset")
