@@ -1,0 +1,210 @@
+// The CPU backend's tile GEMMs in isolation, against the core's own FMA peak: how much of a prefill call's
+// gap to a faster kernel is the micro-kernel, and how much the work around it (docs/perf.md, #13).
+//
+//   cmake -S . -B build/cpp-tests -DPython3_EXECUTABLE=$(which python) &&
+//   cmake --build build/cpp-tests --target bench_host_gemm && ./build/cpp-tests/bench_host_gemm [iters [tiles]]
+//
+// Per level this CPU runs, per operand type and head dim: the forward's two GEMMs on one host tile with the
+// layouts traits_host.h gives them (S = Q.K^T: Q column-major in the element type, K row-major, S overwritten;
+// O += P.V: P column-major fp32, V row-major, O accumulated), the tile's key count as launch_host.h picks it
+// (128 for bf16, 64 otherwise).  `tiles` (default 1) K/V tiles are used in turn, one per call: with 1 the
+// operands stay in cache (an upper bound for the micro-kernel inside a call); 16 is a 2048-key sequence's K
+// and V at 128 keys, as a call walks them (in L2, not L1).  One thread; best of 7 repetitions.  Not a test: it checks
+// nothing beyond one product against a double-precision loop (a wrong kernel must not report a speed).
+// The peak is fp32 FMA at the level's vector width; the avx512_bf16 and amx_bf16 levels multiply bf16 on
+// other instructions (vdpbf16ps: two products per lane; AMX tiles), so their bf16 rows may exceed 100%.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "flash_ext/host_isa.h"
+
+namespace {
+
+using flash_ext::HostDType;
+using flash_ext::HostGemmArgs;
+using flash_ext::HostIsa;
+using flash_ext::HostKernels;
+
+// fp32 FMA throughput of one core: independent accumulator chains, enough of them to cover the FMA latency
+// of every current x86 core (4 cycles x 2 ports), kLanes wide.  Distinct starting values keep the compiler
+// from merging chains.
+// Inlined into each level's target function below, so that it is compiled for that level's vectors.
+template <int kLanes, int kChains>
+inline __attribute__((always_inline)) double fma_peak_gflops_impl() {
+  typedef float v __attribute__((vector_size(4 * kLanes)));
+  v acc[kChains];
+  for (int i = 0; i < kChains; ++i) { acc[i] = v{} + (1.0f + 0.001f * float(i)); }
+  v const a = v{} + 0.9999f, b = v{} + 0.0001f;
+  long const n = 20'000'000;
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto const t0 = std::chrono::steady_clock::now();
+    for (long it = 0; it < n; ++it) {
+#pragma GCC unroll 32
+      for (int i = 0; i < kChains; ++i) { acc[i] = acc[i] * a + b; }
+    }
+    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = s < best ? s : best;
+  }
+  float sink = 0.f;
+  for (int i = 0; i < kChains; ++i) { sink += acc[i][0]; }
+  if (sink == 12345.f) { std::printf(" "); }  // keeps the chains live
+  return 2.0 * kLanes * kChains * double(n) / best / 1e9;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) double fma_peak_avx2() { return fma_peak_gflops_impl<8, 12>(); }
+__attribute__((target("avx512f,fma"))) double fma_peak_avx512() { return fma_peak_gflops_impl<16, 24>(); }
+#endif
+
+double fma_peak_for(HostKernels const& k) {
+#if defined(__x86_64__)
+  if (k.lanes == 16) { return fma_peak_avx512(); }
+  if (k.lanes == 8) { return fma_peak_avx2(); }
+#endif
+  return 0.0;  // the generic level: no FMA to measure against (baseline x86-64 has none; other CPUs vary)
+}
+
+uint16_t to_bits(float x, HostDType t) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (t == HostDType::kBF16) { return uint16_t(u >> 16); }
+  // fp16 for |x| < 1 normal range: enough for random operands in [-0.5, 0.5).
+  uint32_t const sign = (u >> 16) & 0x8000u;
+  int const exp = int((u >> 23) & 0xff) - 127 + 15;
+  if (exp <= 0) { return uint16_t(sign); }
+  return uint16_t(sign | uint32_t(exp) << 10 | ((u >> 13) & 0x3ffu));
+}
+float from_bits(uint16_t h, HostDType t) {
+  if (t == HostDType::kBF16) {
+    uint32_t const u = uint32_t(h) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  }
+  int const exp = (h >> 10) & 0x1f;
+  float const mag = exp == 0 ? 0.f : std::ldexp(1.0f + float(h & 0x3ff) / 1024.f, exp - 15);
+  return (h & 0x8000) ? -mag : mag;
+}
+
+// An operand in one element type, with its fp32 values for the reference.
+struct Operand {
+  std::vector<uint16_t> half;
+  std::vector<float> full;
+  void const* data(HostDType t) const { return t == HostDType::kF32 ? static_cast<void const*>(full.data()) : half.data(); }
+};
+Operand random_operand(size_t n, HostDType t) {
+  Operand o{std::vector<uint16_t>(n), std::vector<float>(n)};
+  for (size_t i = 0; i < n; ++i) {
+    float const x = float(std::rand()) / float(RAND_MAX) - 0.5f;
+    o.half[i] = to_bits(x, t == HostDType::kF32 ? HostDType::kBF16 : t);
+    o.full[i] = t == HostDType::kF32 ? x : from_bits(o.half[i], t);
+  }
+  return o;
+}
+
+template <class F>
+double best_seconds(F&& f, int iters) {
+  double best = 1e30;
+  for (int rep = 0; rep < 7; ++rep) {
+    auto const t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) { f(); }
+    double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = s < best ? s : best;
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int const iters = argc > 1 ? std::atoi(argv[1]) : 1000;
+  int const tiles = argc > 2 ? std::atoi(argv[2]) : 1;
+  if (iters < 1 || tiles < 1) {
+    std::printf("usage: bench_host_gemm [iters >= 1 [tiles >= 1]]\n");
+    return 2;
+  }
+  std::printf("iterations %d, K/V tiles in turn %d\n", iters, tiles);
+  std::printf("level        dtype  d    tile (M x N)  QK^T GF/s  P.V GF/s  of FMA peak (GF/s)\n");
+  for (int li = 0; li < flash_ext::kNumHostIsas; ++li) {
+    HostIsa const isa = HostIsa(li);
+    if (*flash_ext::host_isa_unavailable_reason(isa) != '\0') {
+      std::printf("%-12s skipped: %s\n", flash_ext::host_isa_name(isa), flash_ext::host_isa_unavailable_reason(isa));
+      continue;
+    }
+    HostKernels const& k = *flash_ext::host_kernels_for(isa);
+    double const peak = fma_peak_for(k);
+    for (HostDType t : {HostDType::kBF16, HostDType::kF16, HostDType::kF32}) {
+      for (int d : {64, 128}) {
+        int const M = 128, N = t == HostDType::kBF16 ? 128 : 64;
+        Operand const q = random_operand(size_t(M) * d, t);
+        std::vector<Operand> ks, vs;
+        for (int i = 0; i < tiles; ++i) {
+          ks.push_back(random_operand(size_t(N) * d, t));
+          vs.push_back(random_operand(size_t(N) * d, t));
+        }
+        Operand const& kk = ks[0];
+        std::vector<float> s(size_t(M) * N), o(size_t(M) * d, 0.f);
+        // S(m, n) = s[m + n * M]; Q(m, k) = q[m + k * M]; K(n, k) = kk[n * d + k]; V(n, j) = v[n * d + j].
+        HostGemmArgs const qk{s.data(), M, q.data(t), t, 1, M, kk.data(t), t, d, 1, M, N, d, true};
+        k.gemm(qk);
+        double err = 0.0;
+        for (int m = 0; m < M; m += 13) {
+          for (int n = 0; n < N; n += 7) {
+            double ref = 0.0;
+            for (int c = 0; c < d; ++c) { ref += double(q.full[m + size_t(c) * M]) * kk.full[size_t(n) * d + c]; }
+            err = std::fmax(err, std::fabs(ref - s[m + size_t(n) * M]));
+          }
+        }
+        if (!(err < 0.05)) {
+          std::printf("%-12s %s d=%d: Q.K^T differs from the reference by %g; not timed\n", k.name,
+                      t == HostDType::kF32 ? "fp32" : t == HostDType::kBF16 ? "bf16" : "fp16", d, err);
+          return 1;
+        }
+        for (float& x : s) { x *= 0.01f; }  // P-like magnitudes for P.V
+        std::vector<HostGemmArgs> qks, pvs;
+        for (int i = 0; i < tiles; ++i) {
+          qks.push_back(qk);
+          qks.back().b = ks[i].data(t);
+          pvs.push_back({o.data(), M, s.data(), HostDType::kF32, 1, M, vs[i].data(t), t, 1, d, M, d, N, false});
+        }
+        int next = 0;
+        double const flops = 2.0 * M * N * d * iters;
+        double const qk_gf = flops / best_seconds([&] { k.gemm(qks[next++ % tiles]); }, iters) / 1e9;
+        double const pv_gf = flops / best_seconds([&] { k.gemm(pvs[next++ % tiles]); }, iters) / 1e9;
+        std::printf("%-12s %-5s  %-3d  %3d x %-3d     %9.1f  %8.1f", k.name,
+                    t == HostDType::kF32 ? "fp32" : t == HostDType::kBF16 ? "bf16" : "fp16", d, M, N, qk_gf, pv_gf);
+        if (peak > 0.0) {
+          std::printf("  %4.0f%% / %3.0f%%  (%.1f)\n", 100.0 * qk_gf / peak, 100.0 * pv_gf / peak, peak);
+        } else {
+          std::printf("  -\n");
+        }
+      }
+    }
+    // The online-softmax step of one 128 x 128 tile (O 128 x 128) in the steady state (no row's maximum
+    // changes, so O is not rescaled): the other per-element work of a call, next to the GEMMs above.
+    {
+      int const M = 128, N = 128;
+      std::vector<float> scores(size_t(M) * N), work(size_t(M) * N), o(size_t(M) * 128, 1.f), mx(M), sum(M);
+      for (float& x : scores) { x = 3.f * (float(std::rand()) / float(RAND_MAX) - 0.5f); }
+      flash_ext::HostSoftmaxArgs const a{work.data(), M, N, o.data(), M, 128, mx.data(), sum.data(), M, 1.4427f, false};
+      double const secs = best_seconds([&] {
+        std::memcpy(work.data(), scores.data(), sizeof(float) * scores.size());
+        for (int m = 0; m < M; ++m) { mx[m] = 2.f, sum[m] = 1.f; }
+        k.softmax_rescale(a);
+      }, iters);
+      std::vector<float> copy_only(work.size());
+      double const copy_secs = best_seconds([&] {
+        std::memcpy(copy_only.data(), scores.data(), sizeof(float) * scores.size());
+      }, iters);
+      std::printf("%-12s softmax step 128 x 128: %.3f ns per score (the tile's reload of the scores subtracted)\n",
+                  k.name, (secs - copy_secs) / iters / (M * N) * 1e9);
+    }
+  }
+  return 0;
+}
