@@ -190,9 +190,21 @@ inline void copy(TiledCopy<Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>, TV, Ti
   if constexpr (SLayout::rank == 3 && is_gmem<SEngine>::value) {
     int64_t const tile_step = int64_t(size<1>(src)) * int64_t(stride<1>(src));
     int const row_bytes = int(size<0>(src) * size<2>(src)) * int(sizeof(T));
-    for (int m = 0; m < size<1>(src); ++m) {
-      char const* next = reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0)) - tile_step);
-      for (int b = 0; b < row_bytes; b += 64) { __builtin_prefetch(next + b); }
+    int const rows = int(size<1>(src));
+    // Rows a few ahead in this tile too: the next-tile prefetch does not cover a tile nobody walked to
+    // (a CTA's Q, its first K/V tile), whose rows otherwise miss one by one.
+    constexpr int kRowsAhead = 8;
+    auto prefetch_row = [&](char const* row) {
+      for (int b = 0; b < row_bytes; b += 64) { __builtin_prefetch(row + b); }
+    };
+    for (int m = 0; m < kRowsAhead && m < rows; ++m) {
+      prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0))));
+    }
+    for (int m = 0; m < rows; ++m) {
+      prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0)) - tile_step));
+      if (m + kRowsAhead < rows) {
+        prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m + kRowsAhead, 0))));
+      }
       copy(static_cast<Atom const&>(tiled_copy), src(_, m, _), dst(_, m, _));
     }
   } else {
