@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include <cutlass/numeric_types.h>
+
 #include "flash_ext/host_isa.h"
 
 namespace {
@@ -70,28 +72,6 @@ double fma_peak_for(HostKernels const& k) {
   return 0.0;  // the generic level: no FMA to measure against (baseline x86-64 has none; other CPUs vary)
 }
 
-uint16_t to_bits(float x, HostDType t) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if (t == HostDType::kBF16) { return uint16_t(u >> 16); }
-  // fp16 for |x| < 1 normal range: enough for random operands in [-0.5, 0.5).
-  uint32_t const sign = (u >> 16) & 0x8000u;
-  int const exp = int((u >> 23) & 0xff) - 127 + 15;
-  if (exp <= 0) { return uint16_t(sign); }
-  return uint16_t(sign | uint32_t(exp) << 10 | ((u >> 13) & 0x3ffu));
-}
-float from_bits(uint16_t h, HostDType t) {
-  if (t == HostDType::kBF16) {
-    uint32_t const u = uint32_t(h) << 16;
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
-  }
-  int const exp = (h >> 10) & 0x1f;
-  float const mag = exp == 0 ? 0.f : std::ldexp(1.0f + float(h & 0x3ff) / 1024.f, exp - 15);
-  return (h & 0x8000) ? -mag : mag;
-}
-
 // An operand in one element type, with its fp32 values for the reference.
 struct Operand {
   std::vector<uint16_t> half;
@@ -102,8 +82,13 @@ Operand random_operand(size_t n, HostDType t) {
   Operand o{std::vector<uint16_t>(n), std::vector<float>(n)};
   for (size_t i = 0; i < n; ++i) {
     float const x = float(std::rand()) / float(RAND_MAX) - 0.5f;
-    o.half[i] = to_bits(x, t == HostDType::kF32 ? HostDType::kBF16 : t);
-    o.full[i] = t == HostDType::kF32 ? x : from_bits(o.half[i], t);
+    if (t == HostDType::kF16) {
+      cutlass::half_t const h(x);
+      o.half[i] = h.raw(), o.full[i] = float(h);
+    } else {
+      cutlass::bfloat16_t const h(x);
+      o.half[i] = h.raw(), o.full[i] = t == HostDType::kF32 ? x : float(h);
+    }
   }
   return o;
 }
