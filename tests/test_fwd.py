@@ -346,6 +346,33 @@ def test_large_scores(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda t: DTYPE_NAMES[t])
+@pytest.mark.parametrize("pattern", ["rising_far", "rising_near", "spikes"])
+def test_maxima_rising_along_the_walk(device, dtype, pattern):
+    """Row maxima that keep rising as the kernel walks the K/V tiles (right to left): every tile far above
+    the last, a few units per tile (the CPU's reference moves only past a slack, host_isa.h), or one key per
+    tile well above the rest, at a different column of each.  A rescale that is skipped or misapplied to O,
+    the sums or the probabilities already written weighs the tiles wrongly against each other."""
+    device = require_device(device)
+    sq, sk, d = 100, 600, 64
+    q, k, v = make_qkv(1, sq, sk, 2, 1, d, torch.float32)
+    keys_from_right = torch.arange(sk - 1, -1, -1, dtype=torch.float32)  # 0 at the right-most key
+    q[..., 0] = 8.0  # with the default scale 1/8: score(j) * scale ~ k[j, 0] + noise of ~1
+    if pattern == "rising_far":  # ~23 log2 units per 128-key tile
+        k[0, :, 0, 0] = keys_from_right * 0.125
+    elif pattern == "rising_near":  # ~2.3 log2 units per 128-key tile: the slack is crossed every few tiles
+        k[0, :, 0, 0] = keys_from_right * 0.0125
+    else:
+        k[0, :, 0, 0] = 0.0
+        spikes = torch.arange(50, sk, 97)
+        k[0, spikes, 0, 0] = 4.0 + keys_from_right[spikes] * 0.05
+    q, k, v = (t.to(dtype=dtype, device=device) for t in (q, k, v))
+    for causal in (False, True):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        check_close(out, lse, q, k, v, causal=causal, context=f"{pattern}, causal={causal}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_batch", [False, True], ids=["slopes_h", "slopes_bh"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi(device, per_batch, causal):

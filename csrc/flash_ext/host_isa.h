@@ -53,11 +53,16 @@ struct HostGemmArgs {
   bool overwrite = false;
 };
 
-// One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles, with the
-// same arithmetic per row: scores S (rows x cols, S(m, n) = s[m + n * lds]) become exp2(S * scale_log2 -
-// max * scale_log2) against the running row maximum; the running sums and O (rows x o_cols, O(m, j) = o[m +
-// j * ldo]) are rescaled to the new maximum.  row_max/row_sum hold one value per row.  Rows are processed a
-// vector at a time, as in HostGemmArgs.
+// One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles: scores S
+// (rows x cols, S(m, n) = s[m + n * lds]) become exp2(S * scale_log2 - ref * scale_log2) against each row's
+// reference ref (row_max), and the running sums and O (rows x o_cols, O(m, j) = o[m + j * ldo]) are kept
+// relative to it.  Unlike rescale_o's running maximum, the reference moves only when a score of the tile
+// exceeds it by more than kHostSoftmaxSlack in the exp2 domain, and then to the row's running maximum; so
+// it is a score the row has seen, at most kHostSoftmaxSlack below its maximum (a first tile sets it to the
+// tile's maximum), and -inf while the row has seen only masked keys.  What the kernel derives, O / row_sum
+// and the LSE row_max * scale + log2(row_sum), is the same up to rounding.  row_max/row_sum hold one value per
+// row.  Rows are processed a vector at a time, as in HostGemmArgs.
+inline constexpr float kHostSoftmaxSlack = 8.f;  // log2 units: probabilities <= 256
 struct HostSoftmaxArgs {
   float* s;
   int64_t lds;

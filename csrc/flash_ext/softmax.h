@@ -2,7 +2,11 @@
 // maximum of the scores seen so far (row_max), the running sum of exp(score - row_max) (row_sum), and the
 // un-normalised output acc_o.  When a new tile raises a row's maximum, the old sum and acc_o rows are
 // rescaled by exp(old_max - new_max) so that every term is relative to the same maximum.  Scores are kept
-// in the kernel's domain x; exp2(x * scale_log2 - max * scale_log2) == exp(score - max_score).
+// in the kernel's domain x; exp2(x * scale_log2 - max * scale_log2) == exp(score - max_score).  The CPU
+// backend's vector step (traits_host.h) keeps a lagging maximum instead: a score the row has seen, moved only
+// when a tile exceeds it by more than 2^8 in probability (host_isa.h, kHostSoftmaxSlack), so that most tiles
+// need no maxima pass and no rescale; every term stays relative to the same value, which is what finalize()
+// relies on.
 #pragma once
 
 #include <cmath>

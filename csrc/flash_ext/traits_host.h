@@ -384,8 +384,10 @@ struct HostTraits : PlainGlobalMemory {
   static float row_allreduce(float x, Op) { return x; }
 
   // OnlineSoftmax::rescale_o (softmax.h) for a whole tile, by the level's softmax micro-kernel, which
-  // performs the same per-row steps on vectors of rows.  scores (M, N) and acc_o (M, D) are the (row, col)
-  // views of column-major fragments.
+  // performs its per-row steps on vectors of rows, with one difference (host_isa.h, HostSoftmaxArgs): row_max
+  // is a reference that moves only when a score exceeds it by more than kHostSoftmaxSlack, so most tiles read
+  // S once and leave O alone; finalize() derives the same O and LSE from it, up to rounding.  scores (M, N)
+  // and acc_o (M, D) are the (row, col) views of column-major fragments.
   template <class RowState, class Scores, class AccO>
   static void softmax_rescale_o(RowState& row_max, RowState& row_sum, Scores& scores, AccO& acc_o,
                                 float scale_log2, bool first) {

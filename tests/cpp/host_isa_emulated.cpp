@@ -55,10 +55,10 @@ inline vf join(__m256 lo, __m256 hi) {
 }
 
 inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-inline bool all_equal(vf a, vf b) {
+inline bool any_greater(vf a, vf b) {
   Halves const x = split(a), y = split(b);
-  return _mm256_movemask_ps(_mm256_cmp_ps(x.lo, y.lo, _CMP_EQ_OQ)) == 0xff &&
-         _mm256_movemask_ps(_mm256_cmp_ps(x.hi, y.hi, _CMP_EQ_OQ)) == 0xff;
+  return (_mm256_movemask_ps(_mm256_cmp_ps(x.lo, y.lo, _CMP_GT_OQ)) |
+          _mm256_movemask_ps(_mm256_cmp_ps(x.hi, y.hi, _CMP_GT_OQ))) != 0;
 }
 inline vf vfma(vf a, vf b, vf c) {
   Halves const x = split(a), y = split(b), z = split(c);

@@ -158,68 +158,94 @@ void check_gemms(HostKernels const& k) {
   std::printf("  gemm: %d cases\n", n);
 }
 
-// The online-softmax step of softmax.h (OnlineSoftmax::rescale_o), written per row in double.
+// The online-softmax step (HostSoftmaxArgs), its contract written per row in double: the reference a row
+// takes its probabilities against (row_max) stays put unless a score of the tile exceeds it by more than
+// kHostSoftmaxSlack (exp2 domain), and then becomes the row's running maximum; probabilities, sums and O
+// are relative to it (O's factor since the first tile: the product of the corrections).
 void check_softmax(HostKernels const& k) {
   int const rows = 37, rows_alloc = 48, cols = 64, o_cols = 40;
   int64_t const lds = rows_alloc + 3, ldo = rows_alloc + 5;
   std::normal_distribution<float> nd;
-  std::vector<float> s(lds * cols), o(ldo * o_cols), mx(rows_alloc), sm(rows_alloc);
-  std::vector<double> rmx(rows_alloc), rsm(rows_alloc), ro(ldo * o_cols);
+  std::vector<float> s(lds * cols), o(ldo * o_cols), o_init(ldo * o_cols), mx(rows_alloc), sm(rows_alloc);
+  // Per row: the running maximum, the sum of exp2((x - max) * scale) over every tile so far, O's factor.
+  std::vector<double> run_max(rows_alloc), run_sum(rows_alloc), o_factor(rows_alloc);
+  std::vector<float> prev_ref(rows_alloc);
   float const scale = 0.18f;
-  int n_checked = 0;
-  for (int step = 0; step < 4; ++step) {
+  int n_checked = 0, n_moved = 0, n_kept = 0;
+  auto scaled = [&](double r) { return r == -INFINITY ? 0.0 : r * scale; };  // softmax.h's safe max
+  for (int step = 0; step < 5; ++step) {
     bool const first = step == 0;
     for (int i = 0; i < lds * cols; ++i) { s[i] = nd(g_rng) * 3.f; }
     for (int m = 0; m < rows; ++m) {
       for (int n = 0; n < cols; ++n) {
         if (m % 7 == 3 && step < 2) { s[m + n * lds] = -INFINITY; }  // a row that sees no key (yet)
         if (m == 11 && n % 5 == 0) { s[m + n * lds] = -INFINITY; }   // masked keys among visible ones
-        if (m == 20 && step == 1) { s[m + n * lds] = 50.f + n; }      // a raised maximum
+        if (m == 20 && step == 1) { s[m + n * lds] = 50.f + n; }      // a raised maximum, rising along the tile
+        if (m == 30 && step == 0) { s[m + n * lds] = 2.f * n; }       // a first tile rising far past its first score
+        if (m == 33 && step == 3 && n == cols - 1) { s[m + n * lds] = 200.f; }  // a move at the last column
+        if (m == 34 && step >= 2) { s[m + n * lds] = prev_ref[m] + (n == 17 ? 40.f : -1.f); }  // above, within the slack
       }
     }
     if (first) {
-      for (int i = 0; i < ldo * o_cols; ++i) { o[i] = float(ro[i] = nd(g_rng)); }
+      for (int i = 0; i < ldo * o_cols; ++i) { o[i] = o_init[i] = nd(g_rng); }
     }
     std::vector<float> const s_in = s;
     HostSoftmaxArgs const args{s.data(), lds, cols, o.data(), ldo, o_cols, mx.data(), sm.data(), rows, scale, first};
     k.softmax_rescale(args);
     for (int m = 0; m < rows; ++m) {
-      double mrow = first ? -INFINITY : rmx[m];
-      for (int n = 0; n < cols; ++n) { mrow = std::max(mrow, double(s_in[m + n * lds])); }
-      double const msc = mrow == -INFINITY ? 0.0 : mrow * scale;
-      double sum = first ? 0.0 : rsm[m] * std::exp2(rmx[m] * scale - msc);
-      if (!first) {
-        double const corr = std::exp2(rmx[m] * scale - msc);
-        for (int j = 0; j < o_cols; ++j) { ro[m + j * ldo] *= corr; }
+      double tile_max = -INFINITY;
+      for (int n = 0; n < cols; ++n) { tile_max = std::max(tile_max, double(s_in[m + n * lds])); }
+      double const old_max = first ? -INFINITY : run_max[m];
+      double const new_max = std::max(old_max, tile_max);
+      // The reference: moved to the running maximum iff a score exceeded the old one by more than the slack.
+      double const old_ref = first ? -INFINITY : prev_ref[m];
+      double const limit = old_ref == -INFINITY ? -INFINITY : kHostSoftmaxSlack;
+      bool const moves = tile_max * scale - scaled(old_ref) > limit;
+      double const want_ref = moves ? new_max : old_ref;
+      CHECK(mx[m] == float(want_ref), "%s softmax step %d row %d: reference %.9g, expected %.9g (%s)", k.name, step, m,
+            mx[m], want_ref, moves ? "moved to the running maximum" : "kept");
+      (moves ? n_moved : n_kept) += 1;
+      double const ref = mx[m];
+      CHECK(ref <= new_max && (new_max == -INFINITY || (new_max - ref) * scale <= kHostSoftmaxSlack + 1e-5),
+            "%s softmax step %d row %d: reference %.9g is not within the slack below the maximum %.9g", k.name, step, m,
+            ref, new_max);
+      // The sum of every tile's exp2(x * scale) relative to the running maximum, kept in double.
+      double z = first ? 0.0 : run_sum[m] * std::exp2(scaled(old_max) - scaled(new_max));
+      if (first) {
+        o_factor[m] = 1.0;
+      } else if (ref != old_ref) {
+        o_factor[m] *= old_ref == -INFINITY ? 0.0 : std::exp2(scaled(old_ref) - scaled(ref));
       }
-      rmx[m] = mrow;
-      // fp32 forms x * scale - max * scale: its rounding (a few ulps of the operands' magnitude) moves the
+      // fp32 forms x * scale - ref * scale: its rounding (a few ulps of the operands' magnitude) moves the
       // exponent; the polynomial adds ~2e-7.
-      auto tol = [&](double x) { return std::isinf(x) ? 0.0 : 4e-7 + 0.7 * 2.5e-7 * (std::fabs(x * scale) + std::fabs(msc)); };
+      auto tol = [&](double x) { return std::isinf(x) ? 0.0 : 4e-7 + 0.7 * 2.5e-7 * (std::fabs(x * scale) + std::fabs(scaled(ref))); };
       for (int n = 0; n < cols; ++n) {
-        double const p = std::exp2(double(s_in[m + n * lds]) * scale - msc);
-        sum += p;
+        double const p = std::exp2(double(s_in[m + n * lds]) * scale - scaled(ref));
+        z += std::exp2(double(s_in[m + n * lds]) * scale - scaled(new_max));
         double const got = s[m + n * lds];
-        CHECK(std::fabs(got - p) <= tol(s_in[m + n * lds]) * p + 1e-30,
+        CHECK(p <= 256.0 * (1 + 1e-6), "%s softmax step %d row %d col %d: p %.9g above 2^slack", k.name, step, m, n, p);
+        CHECK(std::fabs(got - p) <= 2 * tol(s_in[m + n * lds]) * p + 1e-30,
               "%s softmax step %d row %d col %d: p %.9g, expected %.9g", k.name, step, m, n, got, p);
         ++n_checked;
       }
-      rsm[m] = sum;
-      CHECK(float(mrow) == mx[m] || (std::isinf(mrow) && std::isinf(mx[m])), "%s softmax row %d: max %g vs %g",
-            k.name, m, mx[m], mrow);
-      CHECK(std::fabs(sm[m] - sum) <= (1e-5 + tol(mrow == -INFINITY ? 0 : mrow)) * sum + 1e-30, "%s softmax step %d row %d: sum %.9g, expected %.9g",
-            k.name, step, m, sm[m], sum);
+      run_max[m] = new_max;
+      run_sum[m] = z;
+      double const want_sum = new_max == -INFINITY ? 0.0 : z * std::exp2(scaled(new_max) - scaled(ref));
+      double const sum_tol = 1e-5 + 2 * tol(new_max == -INFINITY ? 0 : new_max);
+      CHECK(std::fabs(sm[m] - want_sum) <= sum_tol * want_sum + 1e-30,
+            "%s softmax step %d row %d: sum %.9g, expected %.9g", k.name, step, m, sm[m], want_sum);
+      CHECK(new_max == -INFINITY || sm[m] >= 1.f - 1e-6f, "%s softmax step %d row %d: a row with a visible key has sum %.9g < 1",
+            k.name, step, m, sm[m]);
       for (int j = 0; j < o_cols; ++j) {
-        double const want = ro[m + j * ldo];
-        CHECK(std::fabs(o[m + j * ldo] - want) <= (1e-6 + tol(mrow == -INFINITY ? 0 : mrow)) * std::fabs(want) + 1e-30,
+        double const want = o_init[m + j * ldo] * o_factor[m];
+        CHECK(std::fabs(o[m + j * ldo] - want) <= (1e-5 + 2 * step * tol(new_max == -INFINITY ? 0 : new_max)) * std::fabs(want) + 1e-30,
               "%s softmax step %d: O(%d, %d) %.9g, expected %.9g", k.name, step, m, j, o[m + j * ldo], want);
       }
-    }
-    // Keep the reference's O in step with the kernel's (both are fp32 storage in the real kernel).
-    for (int m = 0; m < rows; ++m) {
-      for (int j = 0; j < o_cols; ++j) { ro[m + j * ldo] = o[m + j * ldo]; }
+      prev_ref[m] = mx[m];
     }
   }
+  CHECK(n_moved >= 35 && n_kept >= 100, "%s softmax: the cases moved %d and kept %d references", k.name,
+        n_moved, n_kept);
   // NaN in: NaN out (the row's probabilities and sum), as the scalar code does, whatever the NaN's payload
   // and sign (a payload must not leak into the exponent arithmetic of exp2).
   for (uint32_t const nan_bits : {0x7fc00000u, 0x7fc12345u, 0xffc001ffu, 0x7f800001u}) {
@@ -244,6 +270,9 @@ struct ScalarSoftmaxTraits {
   static float row_allreduce(float x, Op) { return x; }
 };
 
+// The host step against softmax.h's rescale_o: the same probabilities, sums and O once the reference's
+// factor exp2((max - ref) * scale) is taken out, and a reference that is rescale_o's maximum or the host's
+// previous reference (host_isa.h).
 void check_softmax_matches_generic(HostKernels const& k) {
   using namespace cute;
   constexpr int kRows = 48, kCols = 64, kOCols = 32;
@@ -252,10 +281,11 @@ void check_softmax_matches_generic(HostKernels const& k) {
   for (auto& x : o) { x = nd(g_rng); }
   o_gen = o;
   OnlineSoftmax<ScalarSoftmaxTraits, kRows> gen;
-  std::vector<float> mx(kRows), sm(kRows);
+  std::vector<float> mx(kRows), sm(kRows), prev(kRows);
   float const scale = 0.125f * 1.4426950f;
   double worst = 0;
-  for (int step = 0; step < 3; ++step) {
+  int kept = 0;
+  for (int step = 0; step < 4; ++step) {
     for (int i = 0; i < kRows * kCols; ++i) { s[i] = nd(g_rng) * (step == 1 ? 6.f : 2.f); }
     for (int n = 0; n < kCols; n += 3) { s[5 + n * kRows] = -INFINITY; }  // masked keys
     if (step == 0) {
@@ -268,18 +298,27 @@ void check_softmax_matches_generic(HostKernels const& k) {
     HostSoftmaxArgs const a{s.data(), kRows, kCols, o.data(), kRows, kOCols, mx.data(), sm.data(), kRows, scale,
                             step == 0};
     k.softmax_rescale(a);
-    auto rel = [](float x, float y) { return x == y ? 0.0 : std::fabs(double(x) - y) / std::max(std::fabs(double(y)), 1e-30); };
-    for (int i = 0; i < kRows * kCols; ++i) { worst = std::max(worst, rel(s[i], s_gen[i])); }
-    for (int i = 0; i < kRows * kOCols; ++i) { worst = std::max(worst, rel(o[i], o_gen[i])); }
+    auto rel = [](double x, double y) { return x == y ? 0.0 : std::fabs(x - y) / std::max(std::fabs(y), 1e-30); };
     for (int m = 0; m < kRows; ++m) {
-      CHECK(mx[m] == gen.row_max(m) || (std::isinf(mx[m]) && mx[m] == gen.row_max(m)), "%s softmax vs generic: row %d max %g vs %g",
-            k.name, m, mx[m], gen.row_max(m));
-      worst = std::max(worst, rel(sm[m], gen.row_sum(m)));
+      float const g_max = gen.row_max(m);
+      CHECK(mx[m] == g_max || (step > 0 && mx[m] == prev[m]), "%s softmax vs generic: row %d reference %g, maximum %g",
+            k.name, m, mx[m], g_max);
+      kept += step > 0 && mx[m] != g_max;
+      // f = exp2((max - ref) * scale), as the fp32 arguments give it; 1 for a row without a visible key.
+      double const f = std::isinf(g_max) ? 1.0 : std::exp2(double(g_max) * scale - double(mx[m]) * scale);
+      for (int n = 0; n < kCols; ++n) { worst = std::max(worst, rel(s[m + n * kRows], f * s_gen[m + n * kRows])); }
+      for (int j = 0; j < kOCols; ++j) { worst = std::max(worst, rel(o[m + j * kRows], f * o_gen[m + j * kRows])); }
+      worst = std::max(worst, rel(sm[m], f * gen.row_sum(m)));
+      prev[m] = mx[m];
+      // Back in step for the next tile (rounding only): the host's O relative to the generic maximum.
+      for (int j = 0; j < kOCols; ++j) { o_gen[m + j * kRows] = float(o[m + j * kRows] / f); }
     }
   }
-  // Same polynomial and order of operations; fused multiply-adds move the last bits.
-  CHECK(worst < 2e-6, "%s softmax differs from softmax.h's rescale_o by %.3g (relative)", k.name, worst);
-  std::printf("  softmax vs softmax.h's rescale_o: max relative difference %.2g\n", worst);
+  CHECK(kept > kRows, "%s softmax vs generic: only %d references stayed below the maximum", k.name, kept);
+  // Same polynomial; the arguments differ by the fp32 rounding of max * scale and ref * scale.
+  CHECK(worst < 4e-6, "%s softmax differs from softmax.h's rescale_o by %.3g (relative)", k.name, worst);
+  std::printf("  softmax vs softmax.h's rescale_o: max relative difference %.2g (%d references kept below the maximum)\n",
+              worst, kept);
 }
 
 void check_convert(HostKernels const& k) {

@@ -20,7 +20,7 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 
 inline __attribute__((always_inline)) vf vsplat(float x) { return _mm512_set1_ps(x); }
-inline __attribute__((always_inline)) bool all_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) == 0xffff; }
+inline __attribute__((always_inline)) bool any_greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) { return (vu)_mm512_mul_epu32((__m512i)a, (__m512i)b); }
 inline __attribute__((always_inline)) uint32_t vmovemask(vi m) { return uint32_t(_mm512_movepi32_mask((__m512i)m)); }

@@ -8,7 +8,7 @@
 //   vf, vi, vu, vh       GCC vector types: kLanes x float / int32 / uint32 / uint16
 //   vsplat(x)            x in every lane (a broadcast; 0 + x would be an addition, turning -0 into +0)
 //   vfma(a, b, c)        a * b + c (one rounding where the level has FMA)
-//   all_equal(a, b)      every lane of a == b (ordered: NaN is unequal)
+//   any_greater(a, b)    some lane of a > b (ordered: NaN is not greater)
 //   load_bf16            kLanes bf16 values -> fp32 vector (a zero-extension and a shift)
 //   load_f16, store_f16  kLanes fp16 values <-> fp32 vector (F16C where the level has it)
 //   kBf16Dot             true where the level has vdpbf16ps; then also
@@ -873,35 +873,73 @@ void gemm_blocks(HostGemmArgs const& g) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Online-softmax step (HostSoftmaxArgs): OnlineSoftmax::rescale_o of softmax.h with the loop over rows
-// turned into vectors of rows; per row the same operations in the same order.
+// Online-softmax step (HostSoftmaxArgs), in one pass over the scores where no row's maximum moves far.
+// softmax.h's rescale_o reads a tile twice (the row maxima, then the exponentials) and rescales O whenever a
+// maximum moves.  Here a row's reference (row_max) moves only when a score exceeds it by more than
+// kHostSoftmaxSlack in the exp2 domain (host_isa.h), so the probabilities are at most 256 (fp32 has room for
+// that many times any tile's sum) and in the steady state, most tiles after the first few, S is read once and
+// O not at all (a prefill call measured 4-7% faster than with the maxima pass: docs/perf.md).  The result
+// differs from rescale_o by rounding only: O / row_sum and row_max + log2(row_sum) / scale do not depend on
+// the reference, which stays a score the row has seen (so a row with a visible key still has sum >= 1).
+// When some row of a vector does move (always at a tile's first column where the reference is -inf: the
+// first tile, rows that saw only masked keys so far), the maxima of the columns not yet exponentiated are
+// taken for every row of the vector and each row that would move anywhere in the tile moves once, to its
+// maximum over those columns; the probabilities already written for the vector, its sums and (after the
+// first tile) its O are scaled by the correction.  So a tile costs at most one extra pass per vector of
+// rows, what rescale_o always pays, however the scores are ordered.
+
+FLASH_EXT_INLINE vf safe_scaled(vf ref, vf scale, vf neg_inf) {
+  // A reference of -inf (only masked keys so far) subtracts 0: exp2(-inf - 0) = 0, not exp2(-inf + inf).
+  return ref == neg_inf ? vf{} : ref * scale;
+}
+
 void softmax_rescale(HostSoftmaxArgs const& a) {
-  int const rows = (a.rows + kLanes - 1) / kLanes * kLanes;
+  // The arguments as locals: the stores through float pointers below could otherwise alias them (the
+  // build has no strict aliasing), and every column would reload them.
+  int const rows = (a.rows + kLanes - 1) / kLanes * kLanes, cols = a.cols, o_cols = a.o_cols;
+  int64_t const lds = a.lds, ldo = a.ldo;
+  bool const first = a.first;
   vf const scale = vsplat(a.scale_log2);
   vf const neg_inf = vsplat(-__builtin_inff());
+  vf const slack = vsplat(kHostSoftmaxSlack);
   for (int m0 = 0; m0 < rows; m0 += kLanes) {
-    float* s = a.s + m0;
-    vf mx = a.first ? neg_inf : vload(a.row_max + m0);
-    for (int n = 0; n < a.cols; ++n) { mx = vmax(mx, vload(s + n * a.lds)); }
-    // A row that has seen only masked keys keeps max -inf; 0 instead keeps its probabilities at exp2(-inf).
-    vf const m_scaled = mx == neg_inf ? vf{} : mx * scale;
-    vf sum = vf{};
-    if (!a.first) {
-      vf const old_max = vload(a.row_max + m0);
-      vf const correction = vexp2(old_max * scale - m_scaled);
-      sum = vload(a.row_sum + m0) * correction;
-      // Unchanged maxima (most tiles after the first few) give correction == 1 exactly: skip the O pass.
-      if (!all_equal(mx, old_max)) {
-        float* o = a.o + m0;
-        for (int j = 0; j < a.o_cols; ++j) { vstore(o + j * a.ldo, vload(o + j * a.ldo) * correction); }
+    float* const s = a.s + m0;
+    vf ref = first ? neg_inf : vload(a.row_max + m0);
+    vf ref_scaled = safe_scaled(ref, scale, neg_inf);
+    // A row moves when x * scale - ref_scaled exceeds its limit: the slack, or -inf while the reference is
+    // -inf (any score above -inf moves it).  NaN compares false: it never moves a reference, and exp2(NaN)
+    // carries it into the sum.
+    vf limit = ref == neg_inf ? neg_inf : slack;
+    vf sum = first ? vf{} : vload(a.row_sum + m0);
+    float* sn = s;
+    for (int n = 0; n < cols; ++n, sn += lds) {
+      vf const x = vload(sn);
+      vf y = x * scale - ref_scaled;
+      if (any_greater(y, limit)) [[unlikely]] {
+        vf rest_max = x;
+        for (int j = n + 1; j < cols; ++j) { rest_max = vmax(rest_max, vload(s + j * lds)); }
+        auto const moves = rest_max * scale - ref_scaled > limit;
+        vf const new_ref = moves ? rest_max : ref;
+        vf const new_ref_scaled = safe_scaled(new_ref, scale, neg_inf);
+        // exp2(old - new) <= 2^-slack where a row moves from a finite reference; 0 from -inf (its history is
+        // zero: nothing to keep, and never inf * 0); 1 elsewhere (exact: those lanes are unchanged).
+        vf const correction = moves ? (ref == neg_inf ? vf{} : vexp2(ref_scaled - new_ref_scaled)) : vsplat(1.f);
+        for (int j = 0; j < n; ++j) { vstore(s + j * lds, vload(s + j * lds) * correction); }
+        sum *= correction;
+        if (!first) {  // the first tile's O is the cleared accumulator
+          float* const o = a.o + m0;
+          for (int j = 0; j < o_cols; ++j) { vstore(o + j * ldo, vload(o + j * ldo) * correction); }
+        }
+        ref = new_ref;
+        ref_scaled = new_ref_scaled;
+        limit = ref == neg_inf ? neg_inf : slack;
+        y = x * scale - ref_scaled;
       }
-    }
-    vstore(a.row_max + m0, mx);
-    for (int n = 0; n < a.cols; ++n) {
-      vf const p = vexp2(vload(s + n * a.lds) * scale - m_scaled);
-      vstore(s + n * a.lds, p);
+      vf const p = vexp2(y);
+      vstore(sn, p);
       sum += p;
     }
+    vstore(a.row_max + m0, ref);
     vstore(a.row_sum + m0, sum);
   }
 }
