@@ -5,7 +5,8 @@
 //   cmake --build build/cpp-tests --target bench_host_gemm && ./build/cpp-tests/bench_host_gemm [iters [tiles]]
 //
 // Per level this CPU runs, per operand type and head dim: the forward's two GEMMs on one host tile with the
-// layouts traits_host.h gives them (S = Q.K^T: Q column-major in the element type, K row-major, S overwritten;
+// layouts traits_host.h gives them (S = Q.K^T: Q column-major fp32 as the body's Q fragment holds it, its values
+// those of the element type, K row-major in the element type, S overwritten;
 // O += P.V: P column-major fp32, V row-major, O accumulated), the tile's key count as launch_host.h picks it
 // (128 for bf16, 64 otherwise).  `tiles` (default 1) K/V tiles are used in turn, one per call: with 1 the
 // operands stay in cache (an upper bound for the micro-kernel inside a call); 16 is a 2048-key sequence's K
@@ -136,7 +137,7 @@ int main(int argc, char** argv) {
         Operand const& kk = ks[0];
         std::vector<float> s(size_t(M) * N), o(size_t(M) * d, 0.f);
         // S(m, n) = s[m + n * M]; Q(m, k) = q[m + k * M]; K(n, k) = kk[n * d + k]; V(n, j) = v[n * d + j].
-        HostGemmArgs const qk{s.data(), M, q.data(t), t, 1, M, kk.data(t), t, d, 1, M, N, d, true};
+        HostGemmArgs const qk{s.data(), M, q.full.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, M, N, d, true};
         k.gemm(qk);
         double err = 0.0;
         for (int m = 0; m < M; m += 13) {

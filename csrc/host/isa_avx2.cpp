@@ -17,6 +17,8 @@ constexpr char const* kName = "avx2";
 constexpr int kLanes = 8;
 constexpr int kAccRegs = 12;
 constexpr int kMaxRowVectors = 2;  // 2 x 6 blocks: 12 accumulators, 2 A vectors, 1 broadcast
+// In place: packing A measured 3-5% slower at this level (the same Xeon, FLASH_EXT_CPU_ISA=avx2; docs/perf.md).
+constexpr bool kPackColumnMajorA = false;
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));

@@ -16,6 +16,7 @@ constexpr char const* kName = "generic";
 constexpr int kLanes = 4;
 constexpr int kAccRegs = 12;       // of 16 xmm (x86-64); aarch64 has 32 registers but the same blocks do
 constexpr int kMaxRowVectors = 2;  // 2 x 6 blocks
+constexpr bool kPackColumnMajorA = false;  // A read in place (packing not measured at this level)
 typedef float vf __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(16)));
 typedef uint32_t vu __attribute__((vector_size(16)));

@@ -34,6 +34,7 @@ constexpr char const* kName = "avx512_bf16 (emulated on avx2)";
 constexpr int kLanes = 16;
 constexpr int kAccRegs = 24;
 constexpr int kMaxRowVectors = 2;
+constexpr bool kPackColumnMajorA = true;  // as the AVX-512 levels it stands for
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));

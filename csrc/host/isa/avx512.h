@@ -14,6 +14,8 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int kAccRegs = 24;
 constexpr int kMaxRowVectors = 2;  // 2 x 12 blocks: 24 accumulators, 2 A vectors, 1 broadcast
+// Measured on an Intel Xeon (48 KiB L1, 12 ways): a bf16 prefill at head dim 128 5% faster (docs/perf.md).
+constexpr bool kPackColumnMajorA = true;
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));

@@ -5,6 +5,8 @@
 //   kLanes               fp32 lanes of one vector (4, 8 or 16)
 //   kAccRegs             vector registers a GEMM block keeps its accumulators in (12 of 16, 24 of 32)
 //   kMaxRowVectors       row vectors per GEMM block, at most (the block is kMaxRowVectors x kAccRegs / it)
+//   kPackColumnMajorA    whether a GEMM copies an fp32 column-major A (Q's fragment, P) into contiguous
+//                        scratch before its column blocks instead of reading it in place (gemm_rows says why)
 //   vf, vi, vu, vh       GCC vector types: kLanes x float / int32 / uint32 / uint16
 //   vsplat(x)            x in every lane (a broadcast; 0 + x would be an addition, turning -0 into +0)
 //   vfma(a, b, c)        a * b + c (one rounding where the level has FMA)
@@ -255,13 +257,41 @@ void widen_b(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, float*
   for (; i < span; ++i) { out[i] = scalar_as_f32(src, i, g.b_type); }
 }
 
+// Whether an fp32 column-major A read in place would crowd the L1: a row block's A is `rows` floats of
+// each of depth columns lda floats apart, and with a column stride that is a multiple of the 64-byte line
+// every column's lines fall into the same few sets (the host tiles' 128-row stride, 512 bytes: 16 of the 64
+// sets at AVX-512's two lines per column, depth / 8 lines in each).  Counted for the 64 sets that L1s of
+// 32 KiB / 8 ways and 48 KiB / 12 ways both have, against the smaller number of ways.
+constexpr int kL1Sets = 64;
+constexpr int kL1Ways = 8;
+constexpr bool a_crowds_l1(int64_t lda, int rows, int depth) {
+  int64_t const stride = lda * int64_t(sizeof(float));
+  if (stride % 64 != 0) { return false; }  // the columns drift across the sets
+  int64_t g = kL1Sets, r = (stride / 64) % kL1Sets;  // gcd(stride in lines, sets): 0 -> every column one set
+  while (r != 0) {
+    int64_t const t = g % r;
+    g = r, r = t;
+  }
+  int64_t const lines = (int64_t(rows) * int64_t(sizeof(float)) + 63) / 64;  // per column
+  int64_t const sets = kL1Sets / g * lines < kL1Sets ? kL1Sets / g * lines : kL1Sets;
+  return int64_t(depth) * lines > int64_t(kL1Ways) * sets;
+}
+static_assert(a_crowds_l1(128, 32, 128) && !a_crowds_l1(128, 32, 64) && !a_crowds_l1(64, 32, 128) &&
+              !a_crowds_l1(131, 32, 256) && a_crowds_l1(128, 16, 128));
+
+// One row block of C against ncols columns.  A is read once per column block, so it is packed first
+// (a[k * RV * kLanes + r], contiguous) unless it is fp32 and column-major already (Q's fragment, P) and
+// reading it in place is the cheaper of the two.  Crowded into a few L1 sets (a_crowds_l1), in place A
+// was fetched again from L2 by every column block; where the level packs (kPackColumnMajorA) such an A is
+// copied once per row block when more than one column block reads it.  Measurements: docs/perf.md.
 template <int RV>
 void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, float const* b, float* abuf,
                bool zero_start) {
   constexpr int NR = kAccRegs / RV;
   float const* a;
   int64_t lda;
-  if (g.a_type == HostDType::kF32 && g.a_ms == 1) {  // already column-major fp32 (P): in place
+  bool const pack_pays = kPackColumnMajorA && ncols > NR && a_crowds_l1(g.a_ks, RV * kLanes, depth);
+  if (g.a_type == HostDType::kF32 && g.a_ms == 1 && !pack_pays) {
     a = static_cast<float const*>(g.a) + m0 + int64_t(k0) * g.a_ks;
     lda = g.a_ks;
   } else {
