@@ -8,12 +8,14 @@
 // layouts traits_host.h gives them (S = Q.K^T: Q column-major fp32 as the body's Q fragment holds it, its values
 // those of the element type, K row-major in the element type, S overwritten;
 // O += P.V: P column-major fp32, V row-major, O accumulated), the tile's key count as launch_host.h picks it
-// (128 for bf16, 64 otherwise).  `tiles` (default 1) K/V tiles are used in turn, one per call: with 1 the
+// (128 for bf16, 64 otherwise); then a decode step's tile (16 rows of which 1, 4 or 8 are live, 128 keys,
+// d = 128: the few-rows paths), Q.K^T and P.V timed apart.  `tiles` (default 1) K/V tiles are used in turn, one per call: with 1 the
 // operands stay in cache (an upper bound for the micro-kernel inside a call); 16 is a 2048-key sequence's K
 // and V at 128 keys, as a call walks them (in L2, not L1).  One thread; best of 7 repetitions.  Not a test: it checks
 // nothing beyond one product against a double-precision loop (a wrong kernel must not report a speed).
 // The peak is fp32 FMA at the level's vector width; the avx512_bf16 and amx_bf16 levels multiply bf16 on
 // other instructions (vdpbf16ps: two products per lane; AMX tiles), so their bf16 rows may exceed 100%.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -170,6 +172,44 @@ int main(int argc, char** argv) {
         } else {
           std::printf("  -\n");
         }
+      }
+    }
+    // A decode step's tile: 16 rows of which `live` are real (one query, or a GQA group of query heads),
+    // 128 keys, d = 128, K/V in the element type; ns per tile for both GEMMs, GF/s over the live rows only.
+    for (HostDType t : {HostDType::kBF16, HostDType::kF32}) {
+      int const M = 16, N = 128, d = 128;
+      Operand const q = random_operand(size_t(M) * d, t), kk = random_operand(size_t(N) * d, t),
+                    vv = random_operand(size_t(N) * d, t);
+      std::vector<float> s(size_t(M) * N), o(size_t(M) * d, 0.f);
+      for (int live : {1, 4, 8}) {
+        HostGemmArgs const qk{s.data(), M, q.full.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, live, N, d, true};
+        HostGemmArgs const pv{o.data(), M, s.data(), HostDType::kF32, 1, M, vv.data(t), t, 1, d, live, d, N, false};
+        k.gemm(qk);
+        for (float& x : s) { x *= 0.01f; }
+        std::fill(o.begin(), o.end(), 0.f);
+        k.gemm(pv);
+        double err = 0.0;  // both products of the live rows against double-precision loops
+        for (int m = 0; m < live; ++m) {
+          for (int n = 0; n < N; ++n) {
+            double ref = 0.0;
+            for (int c = 0; c < d; ++c) { ref += double(q.full[m + size_t(c) * M]) * kk.full[size_t(n) * d + c]; }
+            err = std::fmax(err, std::fabs(0.01 * ref - s[m + size_t(n) * M]));
+          }
+          for (int j = 0; j < d; ++j) {
+            double ref = 0.0;
+            for (int n = 0; n < N; ++n) { ref += double(s[m + size_t(n) * M]) * vv.full[size_t(n) * d + j]; }
+            err = std::fmax(err, std::fabs(ref - o[m + size_t(j) * M]));
+          }
+        }
+        if (!(err < 0.05)) {
+          std::printf("%-12s decode tile, %d live rows: differs from the reference by %g; not timed\n", k.name, live, err);
+          return 1;
+        }
+        double const qk_s = best_seconds([&] { k.gemm(qk); }, iters) / iters;
+        double const pv_s = best_seconds([&] { k.gemm(pv); }, iters) / iters;
+        std::printf("%-12s %-5s decode tile, %d live of 16 rows x 128 keys, d=128: QK^T %6.0f ns + P.V %6.0f ns, "
+                    "%6.1f GF/s\n", k.name, t == HostDType::kF32 ? "fp32" : "bf16", live, qk_s * 1e9, pv_s * 1e9,
+                    4.0 * live * N * d / (qk_s + pv_s) / 1e9);
       }
     }
     // The online-softmax step of one 128 x 128 tile (O 128 x 128) in the steady state (no row's maximum

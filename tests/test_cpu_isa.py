@@ -24,6 +24,7 @@ import flash_ext
 from flash_ext import _C
 
 import test_fwd
+from attn_check import check_close, make_qkv
 import test_kvcache as kvcache_tests  # not `test_kvcache`: the test functions below have that name
 import test_varlen as varlen_tests
 
@@ -62,6 +63,18 @@ def test_fwd_sample(cpu_isa: str, case) -> None:
 def test_short_queries_and_decode(cpu_isa: str, sq: int) -> None:
     # sq = 1 with GQA runs the query heads of a K/V group as rows of a 16-row tile.
     test_fwd.test_short_queries("cpu", sq, causal=True)
+
+
+@pytest.mark.parametrize("group", [1, 3, 6, 7, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [80, 128])
+def test_decode_group_rows(cpu_isa: str, group: int, dtype: torch.dtype, d: int) -> None:
+    # One query token, `group` query heads per K/V head: that many live rows of the 16-row tile, on both
+    # sides of the bf16 dot products' 6-row bound (csrc/host/isa/kernels.h, gemm_bf16_few_rows); d = 80
+    # leaves a depth tail short of a vector; 300 keys, a partial last K/V tile.
+    q, k, v = make_qkv(2, 1, 300, 2 * group, 2, d, dtype, "cpu")
+    out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
+    check_close(out, lse, q, k, v, context=f"{cpu_isa} group {group} d {d}")
 
 
 @pytest.mark.parametrize("case", [0, 2, 6])

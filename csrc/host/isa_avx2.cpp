@@ -36,6 +36,22 @@ inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
 inline __attribute__((always_inline)) vf load_f16(uint16_t const* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
 }
+// Lane i: the sum of v[i]'s 8 lanes, in sum_lanes's order (lane e + lane e + 4, then + 2, + 1: the same
+// bits); the last step leaves lane 4L + t holding input slot L + 2t, read so that it is v[4L + t].
+#define FLASH_EXT_ISA_HAS_SUM_EACH 1
+inline __attribute__((always_inline)) vf vsum_each(vf const* v) {
+  auto slot = [v](int s) { return (__m256)v[4 * (s % 2) + s / 2]; };
+  __m256 h[4], t[2];
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane 0: slot 2i's 4 partial sums, lane 1: slot 2i + 1's
+    __m256 const x = slot(2 * i), y = slot(2 * i + 1);
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  for (int i = 0; i < 2; ++i) {  // 128-bit lane L: slot 4i + L's 2 partial sums in elements 0 and 2, 4i + 2 + L's in 1, 3
+    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(h[2 * i], h[2 * i + 1]), _mm256_unpackhi_ps(h[2 * i], h[2 * i + 1]));
+  }
+  return (vf)_mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
 inline __attribute__((always_inline)) void store_f16(uint16_t* p, vf x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }

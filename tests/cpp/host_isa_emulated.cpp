@@ -121,6 +121,33 @@ inline vu bf16_rne_daz(vf x) {
 }
 #define FLASH_EXT_ISA_HAS_BF16_PAIRS 1
 inline vu vbf16_pairs(vf even, vf odd) { return bf16_rne_daz(even) | (bf16_rne_daz(odd) << 16); }
+// vpunpcklwd / vpunpckhwd per 128-bit lane, and the vpermt2ps pair that puts the columns back in order
+// (isa/avx512_bf16.h): the same column order, so that the permuted path runs here too.
+#define FLASH_EXT_ISA_HAS_PAIR_ROWS 1
+inline void bf16_row_pairs2(uint16_t const* even, uint16_t const* odd, vu& p0, vu& p1) {
+  uint32_t w0[16], w1[16];
+  for (int lane = 0; lane < 4; ++lane) {
+    for (int i = 0; i < 4; ++i) {
+      int const c0 = 8 * lane + i, c1 = c0 + 4;
+      w0[4 * lane + i] = uint32_t(even[c0]) | uint32_t(odd ? odd[c0] : 0) << 16;
+      w1[4 * lane + i] = uint32_t(even[c1]) | uint32_t(odd ? odd[c1] : 0) << 16;
+    }
+  }
+  std::memcpy(&p0, w0, sizeof(p0));
+  std::memcpy(&p1, w1, sizeof(p1));
+}
+inline void unpermute_pairs2(vf& a, vf& b) {
+  float x[16], y[16], lo[16], hi[16];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  for (int c = 0; c < 32; ++c) {  // column c: 128-bit lane c / 8 of p0 (c % 8 < 4) or of p1
+    int const lane = c / 8, i = c % 8;
+    float const v = i < 4 ? x[4 * lane + i] : y[4 * lane + i - 4];
+    (c < 16 ? lo : hi)[c % 16] = v;
+  }
+  std::memcpy(&a, lo, sizeof(a));
+  std::memcpy(&b, hi, sizeof(b));
+}
 
 #if FLASH_EXT_EMULATE_TILES
 // The AMX level's tile hooks, as the instructions define them: eight 16 x 64-byte tiles per thread;

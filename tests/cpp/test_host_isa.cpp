@@ -142,8 +142,10 @@ void check_gemms(HostKernels const& k) {
   int const shapes[][3] = {{128, 64, 64}, {16, 64, 256}, {128, 256, 64}, {4, 7, 5}, {33, 13, 40}, {16, 1, 1},
                            {128, 70, 300}, {48, 300, 70}, {128, 40, 128},
                            // few rows (decode), the vectors along B: whole and partial column vectors,
-                           // depth past one chunk of the dot products, rows up to AVX-512's 8
-                           {1, 64, 128}, {3, 130, 64}, {2, 37, 1040}, {4, 9, 16}, {5, 64, 48}, {8, 40, 24}};
+                           // depth past one chunk of the dot products, rows up to AVX-512's 8 (the bf16
+                           // dot products up to 6: both sides of that bound), a depth tail short of a vector
+                           {1, 64, 128}, {3, 130, 64}, {2, 37, 1040}, {4, 9, 16}, {5, 64, 48}, {8, 40, 24},
+                           {6, 33, 80}, {7, 48, 96}};
   int n = 0;
   for (HostDType at : types) {
     for (HostDType bt : types) {

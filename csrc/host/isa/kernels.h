@@ -23,6 +23,14 @@
 //   FLASH_EXT_ISA_HAS_SCALEF  1 where the level has round-to-integer and scale-by-2^n instructions; then also
 //   vround_even(x)       x rounded to the nearest integer, ties to even
 //   vscalef(p, n)        p * 2^n for integral n (NaN in, NaN out)
+//   FLASH_EXT_ISA_HAS_PAIR_ROWS  optional (bf16-dot levels), 1 where the level interleaves bf16 rows by
+//                        instruction; then also
+//   bf16_row_pairs2(e, o, p0, p1)  the (e, o) bf16 pairs of 2 * kLanes columns (o null: 0) in the level's column
+//                        order; unpermute_pairs2(a, b) turns sums over p0's and p1's columns into columns 0..kLanes-1
+//                        (a) and kLanes..2 kLanes-1 (b) in order (else kernels.h's own: two bf16_row_pairs, in order)
+//   FLASH_EXT_ISA_HAS_SUM_EACH  optional, 1 where the level sums vectors' lanes by shuffles; then also
+//   vsum_each(v)         lane i = the sum of v[i]'s lanes for kLanes vectors v[0..kLanes), in sum_lanes's order
+//                        (else kernels.h's own, through memory)
 //   FLASH_EXT_ISA_HAS_TILES  1 where the level has AMX-BF16 tiles (kLanes 16, bf16 dot products); then also
 //   tiles_begin(), tiles_end()   configure tiles 0-7 as 16 rows x 64 bytes / release them
 //   FLASH_EXT_TILE_LOAD(t, p, stride), FLASH_EXT_TILE_STORE(t, p, stride)   tile t (a literal) <-> 16 rows
@@ -59,6 +67,12 @@ namespace {
 #endif
 #ifndef FLASH_EXT_ISA_HAS_TILES
 #define FLASH_EXT_ISA_HAS_TILES 0
+#endif
+#ifndef FLASH_EXT_ISA_HAS_PAIR_ROWS
+#define FLASH_EXT_ISA_HAS_PAIR_ROWS 0
+#endif
+#ifndef FLASH_EXT_ISA_HAS_SUM_EACH
+#define FLASH_EXT_ISA_HAS_SUM_EACH 0
 #endif
 
 static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16);
@@ -359,6 +373,13 @@ FLASH_EXT_INLINE vu bf16_lanes(uint16_t const* p) {
 FLASH_EXT_INLINE vu bf16_row_pairs(uint16_t const* even, uint16_t const* odd) {
   return odd ? bf16_lanes(even) | (bf16_lanes(odd) << 16) : bf16_lanes(even);
 }
+#if !FLASH_EXT_ISA_HAS_PAIR_ROWS
+FLASH_EXT_INLINE void bf16_row_pairs2(uint16_t const* even, uint16_t const* odd, vu& p0, vu& p1) {
+  p0 = bf16_row_pairs(even, odd);
+  p1 = bf16_row_pairs(even + kLanes, odd ? odd + kLanes : nullptr);
+}
+FLASH_EXT_INLINE void unpermute_pairs2(vf&, vf&) {}
+#endif
 
 // A(m0 + r, k0 + 2q + {0, 1}) as one uint32 (low half: the even k) at out[q * RV * kLanes + r]; a missing
 // odd k (depth odd) is 0.
@@ -674,8 +695,8 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
 //     A(m, k) broadcast.  Per output the same fused multiply-adds in the same order as the blocks above.
 //   B contiguous along depth (b_ks == 1: K of Q.K^T): dot products of A's rows with B's columns, kLanes
 //     steps of depth per vector, the lanes summed at the end (the same products, summed in another order).
-// Used for fp32 A only (the host's Q and P), and not for the bf16 products of a bf16-dot level, whose
-// rounding to bf16 is part of that level's contract.
+// Used for fp32 A only (the host's Q and P).  A bf16-dot level's bf16 products, whose rounding to bf16 is
+// part of that level's contract, take their own few-rows path below (gemm_bf16_few_rows).
 constexpr int kSmallRows = kLanes / 2;
 constexpr int kSmallDepth = 512;  // depth per chunk of the dot products' transposed A
 
@@ -684,10 +705,12 @@ constexpr int small_col_vectors() {  // accumulators R x CV, plus R broadcasts a
   constexpr int cv = (kAccRegs - R) / R;
   return cv < 1 ? 1 : cv > 8 ? 8 : cv;
 }
+// Keys per block of the dot products: R x NK accumulators whose lane sums fill one vector (vsum_each), plus
+// R A vectors and one B vector (at most 16 + 8 + 1 of AVX-512's 32 registers, 8 + 4 + 1 of AVX2's 16).
 template <int R>
-constexpr int small_keys() {  // accumulators R x NK, plus NK B vectors and one A vector
-  constexpr int nk = (kAccRegs - 4) / R;
-  return nk < 1 ? 1 : nk > 4 ? 4 : nk;
+constexpr int small_keys() {
+  static_assert(R >= 1 && R <= kSmallRows);
+  return kLanes / R;
 }
 
 // The lanes' sum, halving the vector each step (lane i + lane i + n/2, ...).  Through an array rather
@@ -703,6 +726,35 @@ FLASH_EXT_INLINE float sum_lanes(V v) {
     for (int i = 0; i < w; ++i) { x[i] += x[i + w]; }
   }
   return x[0];
+}
+
+#if !FLASH_EXT_ISA_HAS_SUM_EACH
+FLASH_EXT_INLINE vf vsum_each(vf const* v) {
+  alignas(64) float sums[kLanes];
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) { sums[i] = sum_lanes(v[i]); }
+  return vload(sums);
+}
+#endif
+
+// C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK (R * NK <= kLanes): all of them in one
+// vsum_each, key-major (slot j * R + m), so that each key's R rows come out as one run of C's column.
+template <int R, int NK>
+FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK]) {
+  static_assert(R * NK <= kLanes);
+  vf slots[kLanes];
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) { slots[i] = i < R * NK ? acc[i % R][i / R] : vf{}; }
+  alignas(64) float sums[kLanes];
+  vstore(sums, vsum_each(slots));
+#pragma GCC unroll 16
+  for (int j = 0; j < NK; ++j) {  // a run of R floats at a time (a vector add where R is 4 or 8)
+    float run[R];
+    __builtin_memcpy(run, c + j * ldc, sizeof(run));
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) { run[m] += sums[j * R + m]; }
+    __builtin_memcpy(c + j * ldc, run, sizeof(run));
+  }
 }
 
 // C(m, n0 + c) for m < R and c < CV * kLanes, with B(n, k) = b[n + k * b_ks].  C's rows are strided, so
@@ -758,28 +810,22 @@ FLASH_EXT_INLINE void small_dots_block(HostGemmArgs const& g, float const* at, i
   vf acc[R][NK];
 #pragma GCC unroll 8
   for (int m = 0; m < R; ++m) {
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
   }
   void const* b = offset(g.b, int64_t(n0) * g.b_ns + k0, kB);
   for (int k = 0; k < depth; k += kLanes) {
-    vf bv[NK];
-#pragma GCC unroll 4
-    for (int j = 0; j < NK; ++j) { bv[j] = load_b<kB>(b, int64_t(j) * g.b_ns + k); }
+    vf av[R];
 #pragma GCC unroll 8
-    for (int m = 0; m < R; ++m) {
-      vf const av = vload(at + m * depth + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NK; ++j) { acc[m][j] = vfma(av, bv[j], acc[m][j]); }
+    for (int m = 0; m < R; ++m) { av[m] = vload(at + m * depth + k); }
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) {
+      vf const bv = load_b<kB>(b, int64_t(j) * g.b_ns + k);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) { acc[m][j] = vfma(av[m], bv, acc[m][j]); }
     }
   }
-  float* const c = g.c + int64_t(n0) * g.ldc;  // locals, as in small_rows_block
-  int64_t const ldc = g.ldc;
-#pragma GCC unroll 8
-  for (int m = 0; m < R; ++m) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NK; ++j) { c[m + j * ldc] += sum_lanes(acc[m][j]); }
-  }
+  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc);
 }
 
 template <int R, int NK, HostDType kB>
@@ -834,6 +880,190 @@ void small_gemm_rows(HostGemmArgs const& g, bool cols_contiguous) {
   }
 }
 
+// Not on the AMX level, whose tiles take every bf16 product (gemm): not instantiated there, for compile time.
+#if FLASH_EXT_ISA_BF16_DOT && !FLASH_EXT_ISA_HAS_TILES
+// Few rows on a bf16-dot level, for bf16 B: the same two orientations, with vdpbf16ps's products (A rounded
+// to bf16 pairs, the level's contract, as in gemm_bf16_dot).  A's R rows are first packed as pairs along
+// depth, row by row (ap[m * pairs + q] = A(m, k0 + 2q) | A(m, k0 + 2q + 1) << 16; a missing odd k is 0).
+//   B contiguous along depth (K): B's pairs are its own 32-bit words, kLanes of them per vector; the lanes
+//     summed by vsum_each.  kLanes pairs of A and B per instruction, no broadcast.
+//   B contiguous along the columns (V): two rows of B interleaved into pairs a vector at a time (as
+//     pack_b_pairs does), each used by the R rows; A's pair broadcast.  Per output the same instructions in
+//     the same order as gemm_bf16_dot's blocks.
+template <int R>
+void pack_small_pairs(HostGemmArgs const& g, int k0, int depth, int pairs, uint32_t* ap) {
+  float const* a = static_cast<float const*>(g.a);
+  alignas(64) float even[kLanes], odd[kLanes];
+  for (int m = 0; m < R; ++m) {
+    for (int q0 = 0; q0 < pairs; q0 += kLanes) {
+#pragma GCC unroll 16
+      for (int l = 0; l < kLanes; ++l) {
+        int const k = 2 * (q0 + l);
+        even[l] = k < depth ? a[m * g.a_ms + int64_t(k0 + k) * g.a_ks] : 0.f;
+        odd[l] = k + 1 < depth ? a[m * g.a_ms + int64_t(k0 + k + 1) * g.a_ks] : 0.f;
+      }
+      vu const p = vbf16_pairs(vload(even), vload(odd));
+      __builtin_memcpy(ap + m * pairs + q0, &p, sizeof(p));
+    }
+  }
+}
+
+// Q.K^T-shaped: C(m, n0 + j) += A(m, k0 + .) . B(n0 + j, k0 + .) for m < R, j < NK over depth, A's pairs in
+// ap (pairs per row, a multiple of kLanes, zero past depth).  A tail of depth short of a whole vector is
+// read through a zeroed copy: B's row may end there.
+template <int R, int NK>
+FLASH_EXT_INLINE void small_bf16_dots_block(HostGemmArgs const& g, uint32_t const* ap, int pairs, int n0, int k0,
+                                            int depth) {
+  vf acc[R][NK];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
+  }
+  uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
+  int const whole = depth / (2 * kLanes) * kLanes;  // pairs in whole vectors of B
+  auto step = [&](int q, auto&& b_pairs) {
+    vu av[R];
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) { __builtin_memcpy(&av[m], ap + m * pairs + q, sizeof(vu)); }
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) {
+      vu const bv = b_pairs(j);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) { acc[m][j] = vdot_bf16(acc[m][j], av[m], bv); }
+    }
+  };
+  for (int q = 0; q < whole; q += kLanes) {
+    step(q, [&](int j) {
+      vu v;
+      __builtin_memcpy(&v, b + int64_t(j) * g.b_ns + 2 * q, sizeof(v));
+      return v;
+    });
+  }
+  if (2 * whole < depth) {
+    int const tail = depth - 2 * whole;  // bf16 elements, < 2 * kLanes
+    step(whole, [&](int j) {
+      alignas(64) uint16_t part[2 * kLanes] = {};
+      __builtin_memcpy(part, b + int64_t(j) * g.b_ns + 2 * whole, sizeof(uint16_t) * tail);
+      vu v;
+      __builtin_memcpy(&v, part, sizeof(v));
+      return v;
+    });
+  }
+  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc);
+}
+
+// P.V-shaped: C(m, n0 + c) += A(m, k0 + .) . B(k0 + ., n0 + c) for m < R, c < CV * kLanes, B(n, k) =
+// b[n + k * b_ks].  CV even: B's rows interleaved two vectors at a time (bf16_row_pairs2, in the level's
+// column order), else one.  The accumulators start from zero (the order of the columns inside them is the
+// level's) and are added to C's rows at the end, through a row buffer as in small_rows_block.
+template <int R, int CV>
+FLASH_EXT_INLINE void small_bf16_rows_block(HostGemmArgs const& g, uint32_t const* ap, int pairs, int n0, int k0,
+                                            int depth) {
+  static_assert(CV == 1 || CV % 2 == 0);
+  constexpr int kCols = CV * kLanes;
+  vf acc[R][CV];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 8
+    for (int v = 0; v < CV; ++v) { acc[m][v] = vf{}; }
+  }
+  uint16_t const* b = static_cast<uint16_t const*>(g.b) + n0 + int64_t(k0) * g.b_ks;
+  for (int q = 0; q < (depth + 1) / 2; ++q) {
+    uint16_t const* even = b + int64_t(2 * q) * g.b_ks;
+    uint16_t const* odd = 2 * q + 1 < depth ? even + g.b_ks : nullptr;
+    vu bv[CV];
+    if constexpr (CV == 1) {
+      bv[0] = bf16_row_pairs(even, odd);
+    } else {
+#pragma GCC unroll 8
+      for (int v = 0; v < CV; v += 2) {
+        bf16_row_pairs2(even + v * kLanes, odd ? odd + v * kLanes : nullptr, bv[v], bv[v + 1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      vu const av = vu{} + ap[m * pairs + q];
+#pragma GCC unroll 8
+      for (int v = 0; v < CV; ++v) { acc[m][v] = vdot_bf16(acc[m][v], av, bv[v]); }
+    }
+  }
+  float* c = g.c + int64_t(n0) * g.ldc;
+  alignas(64) float row[kCols];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+    if constexpr (CV > 1) {
+#pragma GCC unroll 8
+      for (int v = 0; v < CV; v += 2) { unpermute_pairs2(acc[m][v], acc[m][v + 1]); }
+    }
+    for (int j = 0; j < kCols; ++j) { row[j] = c[m + j * g.ldc]; }
+#pragma GCC unroll 8
+    for (int v = 0; v < CV; ++v) { vstore(row + v * kLanes, vload(row + v * kLanes) + acc[m][v]); }
+    for (int j = 0; j < kCols; ++j) { c[m + j * g.ldc] = row[j]; }
+  }
+}
+
+template <int R>
+constexpr int small_pair_col_vectors() {  // accumulators R x CV, plus CV B vectors and one broadcast; CV even
+  constexpr int cv = (kAccRegs - 1) / (R + 1) / 2 * 2;
+  return cv < 2 ? 2 : cv > 8 ? 8 : cv;
+}
+
+// Rows up to which Q.K^T takes the dot products (gemm_bf16_few_rows says why).
+constexpr int kSmallDotRows = kSmallRows < 6 ? kSmallRows : 6;
+
+template <int R>
+void small_bf16_gemm(HostGemmArgs const& g, bool cols_contiguous) {
+  alignas(64) uint32_t ap[R * kSmallDepth / 2];
+  int const n_vec = g.cols / kLanes * kLanes;
+  for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth) {
+    int const depth = g.depth - k0 < kSmallDepth ? g.depth - k0 : kSmallDepth;
+    int const pairs = ((depth + 1) / 2 + kLanes - 1) / kLanes * kLanes;
+    pack_small_pairs<R>(g, k0, depth, pairs, ap);
+    if (cols_contiguous) {
+      constexpr int CV = small_pair_col_vectors<R>();
+      int n = 0;
+      for (; n + CV * kLanes <= n_vec; n += CV * kLanes) { small_bf16_rows_block<R, CV>(g, ap, pairs, n, k0, depth); }
+      for (; n + 2 * kLanes <= n_vec; n += 2 * kLanes) { small_bf16_rows_block<R, 2>(g, ap, pairs, n, k0, depth); }
+      for (; n < n_vec; n += kLanes) { small_bf16_rows_block<R, 1>(g, ap, pairs, n, k0, depth); }
+    } else if constexpr (R <= kSmallDotRows) {  // (gemm_bf16_few_rows sends no more rows here)
+      constexpr int NK = small_keys<R>();
+      int n = 0;
+      for (; n + NK <= g.cols; n += NK) { small_bf16_dots_block<R, NK>(g, ap, pairs, n, k0, depth); }
+      for (; n < g.cols; ++n) { small_bf16_dots_block<R, 1>(g, ap, pairs, n, k0, depth); }
+    }
+  }
+  if (cols_contiguous && n_vec < g.cols) {  // the last few columns, by the blocks
+    HostGemmArgs rest = g;
+    rest.c += int64_t(n_vec) * g.ldc;
+    rest.b = offset(g.b, n_vec, HostDType::kBF16);
+    rest.cols = g.cols - n_vec;
+    gemm_bf16_dot(rest);
+  }
+}
+
+template <int R>
+void small_bf16_gemm_rows(HostGemmArgs const& g, bool cols_contiguous) {
+  if constexpr (R < kSmallRows) {
+    if (g.rows > R) { return small_bf16_gemm_rows<R + 1>(g, cols_contiguous); }
+  }
+  small_bf16_gemm<R>(g, cols_contiguous);
+}
+
+// Whether the bf16 few-rows path takes the product (and then computes it): fp32 A (Q, P), bf16 B with one
+// of its dimensions contiguous.  The dot products only up to 6 rows: per 16 outputs they cost R x depth / 32
+// vdpbf16ps plus one 45-instruction vsum_each, against depth / 2 vdpbf16ps (and as many broadcast loads)
+// for gemm_bf16_dot's 16-row vectors, which break even at 7-8 rows (measured on a Zen 4, 128 keys, d = 128:
+// 0.24-0.75x the time at 1-6 rows, 1.07x at 7, 1.01x at 8; the interleaved P.V 0.18-0.80x at 1-8).
+bool gemm_bf16_few_rows(HostGemmArgs const& g) {
+  if (g.rows > kSmallRows || g.a_type != HostDType::kF32 || g.b_type != HostDType::kBF16) { return false; }
+  bool const cols_contiguous = g.b_ns == 1 && g.cols >= kLanes;
+  if (!cols_contiguous && (g.b_ks != 1 || g.rows > kSmallDotRows)) { return false; }
+  small_bf16_gemm_rows<1>(accumulating(g), cols_contiguous);
+  return true;
+}
+#endif  // FLASH_EXT_ISA_BF16_DOT && !FLASH_EXT_ISA_HAS_TILES
+
 // Whether the few-rows path takes the product (and then computes it).
 bool gemm_few_rows(HostGemmArgs const& g) {
   if (g.rows > kSmallRows || g.a_type != HostDType::kF32) { return false; }
@@ -856,7 +1086,12 @@ void gemm(HostGemmArgs const& in) {
     return;
   }
 #if FLASH_EXT_ISA_BF16_DOT
-  if (in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_bf16_dot(accumulating(in)); }
+  if (in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) {
+#if !FLASH_EXT_ISA_HAS_TILES
+    if (gemm_bf16_few_rows(in)) { return; }
+#endif
+    return gemm_bf16_dot(accumulating(in));
+  }
 #endif
   if (gemm_few_rows(in)) { return; }
   gemm_blocks(in);  // starts its accumulators from zero itself when overwriting
