@@ -956,7 +956,7 @@ FLASH_EXT_INLINE void small_bf16_dots_block(HostGemmArgs const& g, uint32_t cons
 // P.V-shaped: C(m, n0 + c) += A(m, k0 + .) . B(k0 + ., n0 + c) for m < R, c < CV * kLanes, B(n, k) =
 // b[n + k * b_ks].  CV even: B's rows interleaved two vectors at a time (bf16_row_pairs2, in the level's
 // column order), else one.  The accumulators start from zero (the order of the columns inside them is the
-// level's) and are added to C's rows at the end, through a row buffer as in small_rows_block.
+// level's) and are added to C's rows at the end, through a row buffer.
 template <int R, int CV>
 FLASH_EXT_INLINE void small_bf16_rows_block(HostGemmArgs const& g, uint32_t const* ap, int pairs, int n0, int k0,
                                             int depth) {
@@ -996,10 +996,10 @@ FLASH_EXT_INLINE void small_bf16_rows_block(HostGemmArgs const& g, uint32_t cons
 #pragma GCC unroll 8
       for (int v = 0; v < CV; v += 2) { unpermute_pairs2(acc[m][v], acc[m][v + 1]); }
     }
-    for (int j = 0; j < kCols; ++j) { row[j] = c[m + j * g.ldc]; }
+    // Stored as vectors, read as scalars (a vector load of scalar stores would stall on store forwarding).
 #pragma GCC unroll 8
-    for (int v = 0; v < CV; ++v) { vstore(row + v * kLanes, vload(row + v * kLanes) + acc[m][v]); }
-    for (int j = 0; j < kCols; ++j) { c[m + j * g.ldc] = row[j]; }
+    for (int v = 0; v < CV; ++v) { vstore(row + v * kLanes, acc[m][v]); }
+    for (int j = 0; j < kCols; ++j) { c[m + j * g.ldc] += row[j]; }
   }
 }
 
