@@ -304,8 +304,9 @@ void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
   constexpr int NR = kAccRegs / RV;
   float const* a;
   int64_t lda;
-  bool const pack_pays = kPackColumnMajorA && ncols > NR && a_crowds_l1(g.a_ks, RV * kLanes, depth);
-  if (g.a_type == HostDType::kF32 && g.a_ms == 1 && !pack_pays) {
+  // In place unless packing pays (an fp32 column-major A whose lines crowd the L1, read by several blocks).
+  if (g.a_type == HostDType::kF32 && g.a_ms == 1 &&
+      !(kPackColumnMajorA && ncols > NR && a_crowds_l1(g.a_ks, RV * kLanes, depth))) {
     a = static_cast<float const*>(g.a) + m0 + int64_t(k0) * g.a_ks;
     lda = g.a_ks;
   } else {
@@ -1174,7 +1175,8 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
     // A row moves when x * scale - ref_scaled exceeds its limit: the slack, or -inf while the reference is
     // -inf (any score above -inf moves it).  NaN compares false: it never moves a reference, and exp2(NaN)
     // carries it into the sum.
-    vf limit = ref == neg_inf ? neg_inf : slack;
+    auto const limit_of = [&](vf r) { return r == neg_inf ? neg_inf : slack; };
+    vf limit = limit_of(ref);
     vf sum = first ? vf{} : vload(a.row_sum + m0);
     float* sn = s;
     for (int n = 0; n < cols; ++n, sn += lds) {
@@ -1197,7 +1199,7 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
         }
         ref = new_ref;
         ref_scaled = new_ref_scaled;
-        limit = ref == neg_inf ? neg_inf : slack;
+        limit = limit_of(ref);
         y = x * scale - ref_scaled;
       }
       vf const p = vexp2(y);
