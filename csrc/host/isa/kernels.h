@@ -888,9 +888,10 @@ void small_gemm_rows(HostGemmArgs const& g, bool cols_contiguous) {
 // depth, row by row (ap[m * pairs + q] = A(m, k0 + 2q) | A(m, k0 + 2q + 1) << 16; a missing odd k is 0).
 //   B contiguous along depth (K): B's pairs are its own 32-bit words, kLanes of them per vector; the lanes
 //     summed by vsum_each.  kLanes pairs of A and B per instruction, no broadcast.
-//   B contiguous along the columns (V): two rows of B interleaved into pairs a vector at a time (as
-//     pack_b_pairs does), each used by the R rows; A's pair broadcast.  Per output the same instructions in
-//     the same order as gemm_bf16_dot's blocks.
+//   B contiguous along the columns (V): two rows of B interleaved into pairs two vectors at a time
+//     (bf16_row_pairs2), each used by the R rows; A's pair broadcast.  Per output the same vdpbf16ps as
+//     gemm_bf16_dot's blocks in the same order, summed from zero and then added to C (the blocks start
+//     from C): the same products, one addition placed differently.
 template <int R>
 void pack_small_pairs(HostGemmArgs const& g, int k0, int depth, int pairs, uint32_t* ap) {
   float const* a = static_cast<float const*>(g.a);
