@@ -88,6 +88,8 @@ py::dict build_info() {
   info["cpu_isas"] = levels;
   info["cpu_isa_best"] = host_isa_name(host_isa_best());
   info["cpu_isa"] = host_isa_name(host_isa_selected());
+  // The L2 size per core that sizes CPU decode splits (launch_host.h); the OS's figure, else 1 MiB.
+  info["cpu_l2_bytes"] = host_l2_bytes();
   return info;
 }
 

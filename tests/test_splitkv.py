@@ -4,6 +4,8 @@ come through the combine as -inf partials / +inf LSE, never NaN (outputs and par
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -80,14 +82,95 @@ def test_heuristic_rules() -> None:
     assert heuristic(8, 132, 2000) == s
 
 
+def cpu_l2_bytes() -> int:
+    """L2 bytes per core as the OS reports them (glibc's sysconf _SC_LEVEL2_CACHE_SIZE, 191), else 1 MiB."""
+    try:
+        l2 = os.sysconf(191) if sys.platform.startswith("linux") else 0
+    except (OSError, ValueError):
+        l2 = 0
+    return l2 if l2 > 0 else 1 << 20
+
+
+def test_cpu_l2_reported() -> None:
+    assert flash_ext.build_info()["cpu_l2_bytes"] == cpu_l2_bytes()
+
+
 def test_heuristic_used_by_default_and_reported() -> None:
     q = torch.randn(1, 1, 1, 64)
     k = torch.randn(1, 8192, 1, 64)
     threads = torch.get_num_threads()
     e = flash_ext.explain(q, k, k, verbose=False)
-    assert e.plan["num_splits"] == heuristic(1, threads, 8192 // 64)
+    block_n = e.plan["block_n"]
+    tiles = 8192 // block_n
+    # CPU decode rule (launch_host.h): a split's K and V rows of every K/V head fit in half of L2.
+    row_bytes = 2 * 64 * 4
+    tiles_per_split = max(1, (cpu_l2_bytes() // 2) // (row_bytes * block_n))
+    l2_rule = min(128, -(-tiles // tiles_per_split))
+    assert e.plan["num_splits"] == max(heuristic(1, threads, tiles), l2_rule)
     assert flash_ext.explain(q, k, k, num_splits=1, verbose=False).plan["num_splits"] == 1
     assert flash_ext.explain(q, k, k, num_splits=6, verbose=False).plan["num_splits"] == 6
+
+
+def test_cpu_decode_splits_follow_l2_and_layout() -> None:
+    """The L2 rule counts the bytes of one key over all K/V heads; heads that do not lie side by side (a
+    (b, h_k, s, d) cache seen through a transpose) are not warmed, so only the occupancy heuristic applies."""
+    threads = torch.get_num_threads()
+    q = torch.randn(1, 1, 16, 128, dtype=torch.bfloat16)
+
+    def expected(plan: dict, warmed: bool) -> int:
+        kp, block_n = plan["kernel_problem"], plan["block_n"]
+        tiles = -(-kp["seqlen_k"] // block_n)
+        ctas = kp["b"] * kp["h"] * -(-kp["seqlen_q"] // plan["block_m"])
+        splits = heuristic(ctas, threads, tiles)
+        if warmed:
+            row_bytes = 2 * kp["h_k"] * kp["d"] * kp["element_size"]
+            tiles_per_split = max(1, (cpu_l2_bytes() // 2) // (row_bytes * block_n))
+            splits = max(splits, min(128, -(-tiles // tiles_per_split)))
+        return splits
+
+    k = torch.randn(1, 32768, 4, 128, dtype=torch.bfloat16)
+    e = flash_ext.explain(q, k, k, verbose=False)
+    assert e.plan["num_splits"] == expected(e.plan, warmed=True) > 1
+    kt = torch.randn(1, 4, 32768, 128, dtype=torch.bfloat16).transpose(1, 2)
+    et = flash_ext.explain(q, kt, kt, verbose=False)
+    assert et.plan["num_splits"] == expected(et.plan, warmed=False)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "packed_kv", "bhsd_view", "paged"])
+@pytest.mark.parametrize("num_splits", [3, 0])
+def test_cpu_decode_warm_layouts(layout: str, num_splits: int) -> None:
+    """CPU decode runs the heads of one (batch, split) back to back and warms their K/V rows first: every
+    cache layout, GQA groups split across worker threads, and forced or automatic splits give the reference."""
+    b, sk, h, hk, d = 2, 3001, 6, 3, 64
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = make_qkv(b, 1, sk, h, hk, d, torch.bfloat16)
+        if layout == "packed_kv":
+            kv = torch.stack([k, v], dim=2)  # (b, s, 2, hk, d)
+            kk, vv = kv[:, :, 0], kv[:, :, 1]
+        elif layout == "bhsd_view":
+            kk, vv = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            kk, vv = k, v
+        if layout == "paged":
+            page = 256
+            pages = -(-sk // page)
+            perm = torch.randperm(b * pages)
+            k_pages = torch.zeros(b * pages, page, hk, d, dtype=k.dtype)
+            v_pages = torch.zeros_like(k_pages)
+            kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pages * page - sk)).reshape(b * pages, page, hk, d)
+            vp = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pages * page - sk)).reshape(b * pages, page, hk, d)
+            k_pages[perm], v_pages[perm] = kp, vp
+            table = perm.reshape(b, pages).to(torch.int32)
+            out, lse = flash_ext.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=sk, block_table=table,
+                                                         num_splits=num_splits, return_softmax_lse=True)
+        else:
+            out, lse = flash_ext.flash_attn_with_kvcache(q, kk, vv, cache_seqlens=sk, num_splits=num_splits,
+                                                         return_softmax_lse=True)
+        check_close(out, lse, q, k, v, context=f"layout {layout}, num_splits={num_splits}")
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_num_splits_out_of_range() -> None:

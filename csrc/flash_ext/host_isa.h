@@ -136,6 +136,10 @@ char const* host_isa_override(char const* name);
 // "".  The op layer then refuses CPU calls with this reason rather than run another level.
 char const* host_isa_selection_error();
 
+// Bytes of one core's L2 as the system reports it (sysconf), else 1 MiB; read once.  Sizes the decode
+// splits whose K/V rows are warmed into L2 (launch_host.h).
+int64_t host_l2_bytes();
+
 // --- The running call's context, per thread ---
 
 // What the host hooks of one CTA need that the kernel body does not pass them: the micro-kernels of the

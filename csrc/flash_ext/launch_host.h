@@ -55,6 +55,102 @@ constexpr int host_head_dim_for(int d) {
   return -1;
 }
 
+// --- Decode: a split's K/V rows warmed into L2 before its heads run ---
+//
+// A decode tile (at most 16 query rows) does little arithmetic per byte of K/V, so a step runs at the speed
+// K and V arrive from memory.  A KV cache keeps the heads of one key side by side ((b, s, h_k, d)), and one
+// head's work item reads d of every h_k * d elements, tile by tile from the right: one Zen 4 core streams
+// that pattern at ~8 GB/s, a front-to-back read of the same rows at ~25 (docs/perf.md).  So decode work items
+// run the heads of one (batch, split) back to back on one thread, and the first of them reads the split's
+// rows of all those heads once, front to back, one load per cache line (warm_decode_split); the body's own
+// tile copies then hit L2.  The splits are sized so that those rows fit in half of L2 (host_decode_splits).
+
+// Bytes of one key over K/V heads [kv_first, kv_last] of K and V together, as the warming reads them (from
+// the first head's first element to the last head's d-th, per tensor); 0 when those heads do not lie side by
+// side (fewer than half of the bytes spanned are theirs, e.g. a (b, h_k, s, d) layout, whose head rows are one
+// stream each already): warming would read what no work item needs.
+inline int64_t host_warm_row_bytes(FwdParams const& p, int kv_first, int kv_last, int element_size) {
+  int64_t const heads = kv_last - kv_first + 1;
+  auto span = [&](int64_t head_stride) -> int64_t {
+    int64_t const bytes = (int64_t(kv_last - kv_first) * head_stride + p.d);
+    return 2 * heads * p.d >= bytes ? bytes : -1;
+  };
+  int64_t const k = span(p.k_head_stride), v = span(p.v_head_stride);
+  return k > 0 && v > 0 ? (k + v) * element_size : 0;
+}
+
+// Splits of a decode problem's seqlen_k keys such that one split's rows of every K/V head (row_bytes per key)
+// fit in `budget` bytes: whole tiles of block_n keys, at least one per split, at most max_splits splits.
+constexpr int host_decode_splits(int seqlen_k, int block_n, int64_t row_bytes, int64_t budget, int max_splits) {
+  if (seqlen_k <= 0 || row_bytes <= 0) { return 1; }
+  int64_t const tile_bytes = row_bytes * block_n;
+  int64_t const tiles_per_split = tile_bytes >= budget ? 1 : budget / tile_bytes;
+  int64_t const splits = (ceil_div(seqlen_k, block_n) + tiles_per_split - 1) / tiles_per_split;
+  return int(splits < 1 ? 1 : splits > max_splits ? max_splits : splits);
+}
+// 32768 keys of 2 bf16 heads of 128 (K and V: 1 KiB per key) in 512 KiB: 4 tiles of 128 keys per split.
+static_assert(host_decode_splits(32768, 128, 1024, 512 << 10, 128) == 64);
+static_assert(host_decode_splits(32768, 128, 1024, 512 << 10, 32) == 32, "capped");
+static_assert(host_decode_splits(300, 128, 1024, 512 << 10, 128) == 1, "3 tiles fit in one split");
+static_assert(host_decode_splits(1024, 128, 8192, 512 << 10, 128) == 8, "a tile larger than the budget: one per split");
+
+// Reads one byte of every 64-byte line of [p, p + n) into acc: the lines come into this core's caches, and a
+// front-to-back run of such loads is the pattern the hardware prefetchers stream fastest.
+inline void touch_lines(char const* p, int64_t n, unsigned char& acc) {
+  for (int64_t i = 0; i < n; i += 64) { acc |= static_cast<unsigned char>(p[i]); }
+  if (n > 0) { acc |= static_cast<unsigned char>(p[n - 1]); }
+}
+
+// The byte ranges of K and V that the work items (bidb, n_split, bidh_first .. bidh_last) will read, as
+// warm_decode_split reads them: their tiles as the body computes them (window, split), heads kv_first ..
+// kv_last, rows below seqlen_k, up to the last head's d-th element (a subset of the bytes between the
+// body's own reads, so never outside the tensors).  fn(char const* first, int64_t bytes) per range; nothing
+// when the heads do not lie side by side or the rows would not fit in L2 (a forced long split).
+template <class Traits, class Fn>
+void for_each_warm_range(FwdParams const& params, DynamicFlags const& flags, int bidb, int n_split, int bidh_first,
+                         int bidh_last, Fn&& fn) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  BlockInfo const binfo(params, bidb);
+  if (binfo.seqlen_q <= 0) { return; }  // the body returns before reading K/V
+  Window<DynamicFlags> const window(params, flags);
+  int n_min = n_block_min<Traits::kBlockM, kBlockN>(binfo, window, 0);
+  int n_max = n_block_max<Traits::kBlockM, kBlockN>(binfo, window, 0);
+  if (flags.split) { restrict_to_split<kBlockN>(binfo, params.num_splits, n_split, n_min, n_max); }
+  int const kv_first = bidh_first / params.h_h_k_ratio, kv_last = bidh_last / params.h_h_k_ratio;
+  int64_t const row_bytes = host_warm_row_bytes(params, kv_first, kv_last, int(sizeof(Element)));
+  if (n_max <= n_min || row_bytes == 0) { return; }
+  int const rows = cute::min(n_max * kBlockN, binfo.seqlen_k) - n_min * kBlockN;
+  if (int64_t(rows) * row_bytes > host_l2_bytes()) { return; }
+  auto ranges = [&](void const* base, index_t batch_stride, index_t row_stride, index_t head_stride) {
+    int64_t const span = (int64_t(kv_last - kv_first) * head_stride + params.d) * int64_t(sizeof(Element));
+    int64_t const row_step = row_stride * int64_t(sizeof(Element));
+    for (int n = n_min; n < n_max; ++n) {
+      char const* tile = reinterpret_cast<char const*>(
+          static_cast<Element const*>(base) + head_stride * kv_first +
+          binfo.kv_tile_offset(params, bidb, n, kBlockN, batch_stride, row_stride));
+      int const tile_rows = cute::min(kBlockN, binfo.seqlen_k - n * kBlockN);
+      if (row_step == span) {  // rows abut (every head of a (b, s, h_k, d) cache): one range per tile
+        fn(tile, int64_t(tile_rows) * span);
+      } else {
+        for (int r = 0; r < tile_rows; ++r) { fn(tile + int64_t(r) * row_step, span); }
+      }
+    }
+  };
+  ranges(params.k_ptr, params.k_batch_stride, params.k_row_stride, params.k_head_stride);
+  ranges(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
+}
+
+// Reads the ranges of for_each_warm_range into this core's caches.
+template <class Traits>
+void warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int bidb, int n_split, int bidh_first,
+                       int bidh_last) {
+  unsigned char acc = 0;
+  for_each_warm_range<Traits>(params, flags, bidb, n_split, bidh_first, bidh_last,
+                              [&](char const* p, int64_t n) { touch_lines(p, n, acc); });
+  asm volatile("" : : "r"(acc));  // the loads are the point; keep them
+}
+
 // Installs a call's micro-kernels as this worker thread's context (host_isa.h) for the scope of one
 // parallel-for chunk, and restores what was there (a nested or earlier call's).
 class HostCtaScope {
@@ -78,17 +174,31 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
   int const num_splits = params.num_splits;
   int64_t const total = int64_t(num_m_blocks) * num_splits * params.b * params.h;
   DynamicFlags const flags = flags_from_params<Traits, DynamicFlags>(params);
+  // One row block per head (decode): the heads of a (batch, split) run back to back, warmed by the first
+  // (see warm_decode_split).  Else m_block varies fastest, so neighbouring work items reuse K/V in cache.
+  bool const decode = num_m_blocks == 1;
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
     HostCtaScope scope(kernels);
-    // The "shared memory" of one CTA; m_block varies fastest so neighbouring work items reuse K/V in cache.
-    alignas(128) char smem[Traits::kSmemBytes];
+    alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA
     for (int64_t i = begin; i < end; ++i) {
-      int const m_block = int(i % num_m_blocks);
-      int64_t rest = i / num_m_blocks;
-      int const n_split = int(rest % num_splits);
-      rest /= num_splits;
-      int const bidh = int(rest % params.h);
-      int const bidb = int(rest / params.h);
+      int m_block = 0, n_split, bidh, bidb;
+      if (decode) {
+        bidh = int(i % params.h);
+        int64_t const rest = i / params.h;
+        n_split = int(rest % num_splits);
+        bidb = int(rest / num_splits);
+        if (bidh == 0 || i == begin) {  // the first of this group's heads on this thread
+          int const last = int(cute::min<int64_t>(params.h - 1, bidh + (end - 1 - i)));
+          warm_decode_split<Traits>(params, flags, bidb, n_split, bidh, last);
+        }
+      } else {
+        m_block = int(i % num_m_blocks);
+        int64_t rest = i / num_m_blocks;
+        n_split = int(rest % num_splits);
+        rest /= num_splits;
+        bidh = int(rest % params.h);
+        bidb = int(rest / params.h);
+      }
       // Query rows of this tile that exist (the last tile of a sequence, a decode step's 1-16 rows).
       scope.set_live_rows(BlockInfo(params, bidb).seqlen_q - m_block * Traits::kBlockM);
       compute_attn_1rowblock<Traits>(params, flags, bidb, bidh, m_block, /*tidx=*/0, smem, n_split);

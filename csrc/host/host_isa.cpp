@@ -12,6 +12,8 @@
 #endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
+#endif
+#if defined(__unix__)
 #include <unistd.h>
 #endif
 
@@ -248,6 +250,17 @@ char const* host_isa_override(char const* name) {
 char const* host_isa_selection_error() {
   Selection& sel = selection();
   return sel.env_bad.load() ? sel.env_error.c_str() : "";
+}
+
+int64_t host_l2_bytes() {
+  static int64_t const bytes = [] {
+    long reported = -1;
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return reported > 0 ? int64_t(reported) : int64_t(1) << 20;
+  }();
+  return bytes;
 }
 
 HostCtaContext& host_cta_context() {

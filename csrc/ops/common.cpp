@@ -52,11 +52,15 @@ at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80) {
 }
 
 void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
-  int const r = int(q.dim()) - 3;   // index of q's row (sequence) dimension
-  int const rk = int(k.dim()) - 3;  // and of k's and v's
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
   p.v_ptr = v.data_ptr();
+  set_input_shapes(p, q, k, v);
+}
+
+void set_input_shapes(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
+  int const r = int(q.dim()) - 3;   // index of q's row (sequence) dimension
+  int const rk = int(k.dim()) - 3;  // and of k's and v's
   p.q_batch_stride = r ? q.stride(0) : 0, p.q_row_stride = q.stride(r), p.q_head_stride = q.stride(r + 1);
   p.k_batch_stride = rk ? k.stride(0) : 0, p.k_row_stride = k.stride(rk), p.k_head_stride = k.stride(rk + 1);
   p.v_batch_stride = rk ? v.stride(0) : 0, p.v_row_stride = v.stride(rk), p.v_head_stride = v.stride(rk + 1);
@@ -512,6 +516,13 @@ std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q,
       int const ctas = int(std::min<int64_t>(int64_t(p.b) * p.h * ceil_div(p.seqlen_q, t.block_m), INT32_MAX / 16));
       p.num_splits = num_splits_heuristic(ctas, dev.processors * t.ctas_per_sm, ceil_div(p.seqlen_k, t.block_n),
                                           int(kMaxSplits));
+      // CPU decode: at least as many splits as keep a split's K/V rows of every head in half of L2, where
+      // they are warmed before its heads run (launch_host.h).
+      if (!dev.cuda && !dev.emulated && t.block_m == kHostBlockMShort) {
+        int64_t const row_bytes = host_warm_row_bytes(p, 0, p.h_k - 1, int(q.element_size()));
+        p.num_splits = std::max(p.num_splits, host_decode_splits(p.seqlen_k, t.block_n, row_bytes,
+                                                                 host_l2_bytes() / 2, int(kMaxSplits)));
+      }
     }
   }
   // The partials are addressed with int rows (accum_rows); a problem with more rows runs unsplit (forced

@@ -113,6 +113,8 @@ at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80);
 // Tensor layouts into params; q/k/v are 4-D (fixed length) or 3-D (varlen: no batch stride).  Paged k/v are
 // 4-D under a 3-D varlen q: their "batch" stride is the page stride.
 void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v);
+// The same without the pointers (a plan: the CPU's decode splits depend on how K/V heads lie in memory).
+void set_input_shapes(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v);
 // out and softmax_lse layouts (outputs of the forward, inputs of the backward).
 void set_outputs(FwdParams& p, at::Tensor const& out, at::Tensor const& lse);
 

@@ -102,6 +102,7 @@ Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, dou
   FwdParams p;
   p.h = int(q.size(2)), p.d = int(q.size(3)), p.h_k = int(k.size(2)), p.h_h_k_ratio = p.h / p.h_k;
   fill_params(p, q, k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
+  set_input_shapes(p, q, k, v);
   set_splits(p, q, num_splits, int64_t(p.b) * p.seqlen_q, /*allocate=*/false);
   p.is_dropout = dropout_p > 0;
   return make_plan(p, q);

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sdpa", action="store_true", help="dropout: do not time SDPA alongside")
     p.add_argument("--sdpa-layout", choices=["bhsd", "bshd-view"], default="bhsd",
                    help="inputs given to SDPA: contiguous (b,h,s,d) copies, or transposed views of flash_ext's")
+    p.add_argument("--kv-layers", type=int, default=0,
+                   help="decode: K/V caches the steps cycle through, as a model's layers do (0: enough for "
+                        "%d MiB in all, so each step reads its cache from memory, not from a warm cache; "
+                        "1: the same cache every step)" % 512)
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default: CUDA 30, CPU 5)")
     p.add_argument("--quick", action="store_true",

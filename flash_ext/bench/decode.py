@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +16,29 @@ from .common import (
 
 
 
+#: Decode steps cycle through this many bytes of K/V caches by default (``--kv-layers 0``): more than the
+#: last-level cache of the machines measured (CPU L3 32 MiB, H200 L2 60 MB), so each step reads its cache
+#: from memory, as one layer's step of a model does.
+ROTATE_BYTES = 512 << 20
+
+#: At most this many caches per row (a short cache of a big model would otherwise need thousands).
+MAX_LAYERS = 256
+
+
+def kv_layers(requested: int, kv_bytes: int) -> int:
+    """Caches a decode row cycles through: ``requested`` when positive, else enough for ROTATE_BYTES."""
+    if requested > 0:
+        return requested
+    return max(1, min(MAX_LAYERS, -(-ROTATE_BYTES // kv_bytes)))
+
+
 @dataclass
 class DecodeRow:
     """One decode step (one query token per sequence) against a KV cache of seqlen_k keys."""
 
     seqlen_k: int
     kv_bytes: int
+    layers: int = 1
     num_splits: int = 1
     flash_s: Optional[float] = None
     sdpa_s: Optional[float] = None
@@ -64,24 +81,35 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     read_gbs = read_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
     rows: List[DecodeRow] = []
     for sk in seqlens:
-        row = DecodeRow(seqlen_k=sk, kv_bytes=2 * b * sk * hk * d * torch.tensor([], dtype=dtype).element_size())
+        kv_bytes = 2 * b * sk * hk * d * torch.tensor([], dtype=dtype).element_size()
+        row = DecodeRow(seqlen_k=sk, kv_bytes=kv_bytes, layers=kv_layers(args.kv_layers, kv_bytes))
         q = torch.randn(b, 1, h, d, dtype=dtype, device=device)
-        k_cache = torch.randn(b, sk, hk, d, dtype=dtype, device=device)
-        v_cache = torch.randn(b, sk, hk, d, dtype=dtype, device=device)
+        caches = [(torch.randn(b, sk, hk, d, dtype=dtype, device=device),
+                   torch.randn(b, sk, hk, d, dtype=dtype, device=device)) for _ in range(row.layers)]
+        k_cache, v_cache = caches[0]
         explained = flash_ext.explain(q, k_cache, v_cache, verbose=False)
         row.num_splits = explained.plan.get("num_splits", 1)
         if explained.roofline is not None:  # a GPU the model knows: its prediction next to the measurement
             row.model_s, row.model_bound = explained.roofline.time, explained.roofline.bound
 
-        def flash() -> torch.Tensor:
-            return flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=sk)
+        # Each call reads the next cache (both sides the same sequence of caches).
+        step = {"flash": 0, "sdpa": 0}
 
-        qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        def next_cache(who: str) -> Tuple[torch.Tensor, torch.Tensor]:
+            step[who] += 1
+            return caches[step[who] % len(caches)]
+
+        def flash() -> torch.Tensor:
+            k, v = next_cache("flash")
+            return flash_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk)
+
+        qt = q.transpose(1, 2)
 
         def sdpa() -> torch.Tensor:
-            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            k, v = next_cache("sdpa")
+            return F.scaled_dot_product_attention(qt, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
 
-        out = flash()
+        out = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=sk)
         ok, err, _ = check_against_sdpa_math(q, k_cache, v_cache, out, causal=False)
         row.check, row.max_err = ("PASS" if ok else "FAIL"), err
         if ok:
@@ -91,19 +119,22 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
         except RuntimeError:
             row.sdpa_s = None
         rows.append(row)
-        print(f"  decode b={b} h={h} hk={hk} d={d} sk={sk}: splits {row.num_splits}, check {row.check}, "
+        print(f"  decode b={b} h={h} hk={hk} d={d} sk={sk}: {row.layers} cache(s), splits {row.num_splits}, "
+              f"check {row.check}, "
               f"flash_ext {fmt(row.flash_gbs)} GB/s, sdpa {fmt(row.sdpa_gbs)} GB/s", flush=True)
-        del q, k_cache, v_cache
+        del q, k_cache, v_cache, caches
         free_device_memory(device)
-    headers = ["b", "h", "hk", "d", "seqlen_k", "splits", "flash GB/s", "model GB/s", "model bound", "sdpa GB/s",
+    headers = ["b", "h", "hk", "d", "seqlen_k", "caches", "splits", "flash GB/s", "model GB/s", "model bound", "sdpa GB/s",
                "read GB/s", "copy GB/s", "flash/read", "flash/sdpa", "check"]
-    table_rows = [[str(b), str(h), str(hk), str(d), str(r.seqlen_k), str(r.num_splits), fmt(r.flash_gbs),
+    table_rows = [[str(b), str(h), str(hk), str(d), str(r.seqlen_k), str(r.layers), str(r.num_splits), fmt(r.flash_gbs),
                    fmt(r.kv_bytes / r.model_s / 1e9 if r.model_s else None), r.model_bound or "-",
                    fmt(r.sdpa_gbs), fmt(read_gbs), fmt(copy_gbs), fmt(r.flash_gbs / read_gbs if r.flash_gbs else None),
                    fmt(r.flash_gbs / r.sdpa_gbs if r.flash_gbs and r.sdpa_gbs else None), r.check] for r in rows]
     return {"_table": format_table(headers, table_rows), "_rows": rows, "copy_gbs": copy_gbs, "read_gbs": read_gbs,
-            "rows": [dict(seqlen_k=r.seqlen_k, num_splits=r.num_splits, flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs,
+            "rows": [dict(seqlen_k=r.seqlen_k, layers=r.layers, num_splits=r.num_splits, flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs,
                           check=r.check, max_err=r.max_err, model_s=r.model_s, model_bound=r.model_bound)
                      for r in rows],
-            "method": "GB/s = bytes of K and V read / median step time; read GB/s: a large tensor.sum() in this run "
-                      "(the ceiling of a memory-bound step); copy GB/s counts read + write"}
+            "method": "GB/s = bytes of K and V read / median step time; each step reads the next of `layers` "
+                      "caches (by default enough for %d MiB, so that a step reads from memory as one layer of a "
+                      "model does); read GB/s: a large tensor.sum() in this run (the ceiling of a memory-bound "
+                      "step); copy GB/s counts read + write" % (ROTATE_BYTES >> 20)}

@@ -4,6 +4,7 @@
 // this CPU runs (host_isa.h), and on x86-64 also with the 16-lane AVX-512-BF16 kernel source emulated on
 // AVX2 (tests/cpp/host_isa_emulated.cpp).
 // The pytest suite covers the same ground through the torch op with many more shapes.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -60,7 +61,11 @@ bool run_case(Case const& c, const char* dtype, HostKernels const& kernels) {
     p.oaccum_ptr = oaccum.data();
     p.lseaccum_ptr = lseaccum.data();
   }
-  run_fwd_host<T>(p, [](int64_t b0, int64_t e0, auto&& f) { f(b0, e0); }, &kernels);
+  // Work items in chunks of 3, as threads would take them: chunk boundaries inside a (batch, split) group of
+  // decode heads, whose first item on a thread warms the group's K/V rows (launch_host.h).
+  run_fwd_host<T>(p, [](int64_t b0, int64_t e0, auto&& f) {
+    for (int64_t i = b0; i < e0; i += 3) { f(i, std::min(i + 3, e0)); }
+  }, &kernels);
 
   double max_err = 0, max_lse_err = 0;
   bool nan_found = false, inf_mismatch = false;
@@ -121,6 +126,66 @@ bool run_case(Case const& c, const char* dtype, HostKernels const& kernels) {
   return ok;
 }
 
+// The decode warm-up's ranges (for_each_warm_range) against the bytes the body reads: every range inside K or
+// V, and every element of a visible key's head (first d elements) covered, for the heads a group warms.
+// layout 0: (b, s, h_k, d) K and V; 1: K and V interleaved per row, (b, s, 2, h_k, d) (per-row ranges);
+// 2: (b, h_k, s, d) (heads apart: nothing warmed).
+bool check_warm_ranges(int layout, int num_splits, int wl, int d) {
+  using T = cutlass::bfloat16_t;
+  using Traits = HostTraits<64, kHostBlockMShort, kHostBlockN<T>, T>;
+  int const b = 2, sq = 4, sk = 1000, h = 6, hk = 3;
+  std::vector<T> kv(size_t(b) * sk * 2 * hk * 64);
+  FwdParams p;
+  p.b = b, p.h = h, p.h_k = hk, p.h_h_k_ratio = h / hk, p.seqlen_q = sq, p.seqlen_k = sk, p.d = d;
+  p.window_left = wl, p.window_right = wl >= 0 ? 0 : -1, p.is_local = wl >= 0;
+  index_t const head = 64;  // d < 64: a padded head, elements d..63 are never read
+  if (layout == 0) {
+    p.k_ptr = kv.data(), p.v_ptr = kv.data() + kv.size() / 2;
+    p.k_row_stride = p.v_row_stride = hk * head, p.k_head_stride = p.v_head_stride = head;
+    p.k_batch_stride = p.v_batch_stride = index_t(sk) * hk * head;
+  } else if (layout == 1) {
+    p.k_ptr = kv.data(), p.v_ptr = kv.data() + hk * head;
+    p.k_row_stride = p.v_row_stride = 2 * hk * head, p.k_head_stride = p.v_head_stride = head;
+    p.k_batch_stride = p.v_batch_stride = index_t(sk) * 2 * hk * head;
+  } else {
+    p.k_ptr = kv.data(), p.v_ptr = kv.data() + kv.size() / 2;
+    p.k_row_stride = p.v_row_stride = head, p.k_head_stride = p.v_head_stride = index_t(sk) * head;
+    p.k_batch_stride = p.v_batch_stride = index_t(hk) * sk * head;
+  }
+  p.num_splits = num_splits;
+  DynamicFlags const flags = flags_from_params<Traits, DynamicFlags>(p);
+  char const* const lo = reinterpret_cast<char const*>(kv.data());
+  char const* const hi = lo + kv.size() * sizeof(T);
+  std::vector<unsigned char> marked(kv.size() * sizeof(T), 0);
+  bool inside = true;
+  int64_t ranges = 0;
+  for (int ib = 0; ib < b; ++ib)
+    for (int s = 0; s < num_splits; ++s)
+      for_each_warm_range<Traits>(p, flags, ib, s, 0, h - 1, [&](char const* first, int64_t n) {
+        ++ranges;
+        inside &= first >= lo && first + n <= hi && n > 0;
+        if (first >= lo && first + n <= hi) { std::fill(marked.begin() + (first - lo), marked.begin() + (first - lo) + n, 1); }
+      });
+  // Every element the body reads: keys visible to some row (window), heads 0..hk-1, elements 0..d-1.
+  int64_t missed = 0;
+  for (int ib = 0; ib < b; ++ib)
+    for (int j = 0; j < sk; ++j) {
+      if (wl >= 0 && j < sk - sq - wl) { continue; }  // left of every row's window
+      for (int kh = 0; kh < hk; ++kh)
+        for (int e = 0; e < d; ++e)
+          for (void const* base : {p.k_ptr, p.v_ptr}) {
+            T const* el = static_cast<T const*>(base) + ib * p.k_batch_stride + j * p.k_row_stride + kh * p.k_head_stride + e;
+            char const* c = reinterpret_cast<char const*>(el);
+            missed += !(marked[c - lo] && marked[c - lo + 1]);
+          }
+    }
+  bool const ok = inside && (layout == 2 ? ranges == 0 : missed == 0 && ranges > 0);
+  std::printf("%s warm ranges, layout %d d %d splits %d window %d: %lld ranges, %s, %lld elements not covered\n",
+              ok ? "ok  " : "FAIL", layout, d, num_splits, wl, (long long)ranges, inside ? "all inside" : "SOME OUTSIDE",
+              (long long)missed);
+  return ok;
+}
+
 int main() {
   Case const cases[] = {
       {2, 77, 131, 4, 2, 40, true, -1, -1, 0.f, false},     // GQA, uneven d and seqlens, causal
@@ -148,6 +213,12 @@ int main() {
     failures += !run_case<float>(cases[5], "fp32", *k);
     failures += !run_case<float>(cases[11], "fp32", *k);
     failures += !run_case<float>(cases[12], "fp32", *k);
+  }
+  for (int layout : {0, 1, 2}) {
+    for (int d : {61, 64}) {  // 64 in layout 0: rows abut, one range per tile
+      failures += !check_warm_ranges(layout, 3, -1, d);
+      failures += !check_warm_ranges(layout, 8, 100, d);
+    }
   }
   std::printf("%d failures\n", failures);
   return failures == 0 ? 0 : 1;
