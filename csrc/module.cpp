@@ -69,6 +69,7 @@ py::dict build_info() {
   info["cuda"] = kGpuHeadDimsMask != 0 || !kCudaArchs.empty();
   info["cuda_archs"] = kCudaArchs;
   info["gpu_head_dims"] = gpu_head_dims();
+  info["gpu_bwd_head_dims"] = ops::gpu_bwd_head_dims();
   info["host_head_dims"] = host;
   info["emulator"] = ops::emulator_built();
   info["emulator_head_dims"] = emulator_head_dims();

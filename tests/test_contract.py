@@ -415,3 +415,15 @@ def test_index_value_errors_name_the_value() -> None:
     with pytest.raises(ValueError, match=r"block_table: got value 9 at \[1, 0\]"):
         flash_ext.flash_attn_with_kvcache(torch.randn(2, 1, 2, 64), torch.randn(4, 128, 2, 64), torch.randn(4, 128, 2, 64),
                                           cache_seqlens=100, block_table=torch.tensor([[0], [9]], dtype=torch.int32))
+
+
+def test_build_info_has_every_documented_key() -> None:
+    """build_info()'s docstring is its contract: every key it names is there (a GPU run once found
+    ``gpu_bwd_head_dims`` documented and used by the tests but never set by the extension)."""
+    documented = set(re.findall(r'"(\w+)":', flash_ext.build_info.__doc__))
+    assert {"cuda", "gpu_head_dims", "gpu_bwd_head_dims", "host_head_dims"} <= documented
+    info = flash_ext.build_info()
+    assert documented <= set(info), documented - set(info)
+    assert set(info["gpu_bwd_head_dims"]) <= set(info["gpu_head_dims"])
+    if not info["cuda"]:
+        assert info["gpu_bwd_head_dims"] == [] and info["gpu_head_dims"] == []

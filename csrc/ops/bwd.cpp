@@ -21,6 +21,7 @@
 #include "flash_ext/bwd_api.h"
 #include "flash_ext/dispatch.h"
 #include "index_values.h"
+#include "ops.h"
 
 namespace flash_ext::ops {
 
@@ -85,10 +86,9 @@ void check_bwd_head_dim(ArgChecker& c, at::Tensor const& q) {
   int64_t const d = q.size(-1), padded = (d + 7) / 8 * 8;
   std::string built;
   bool found = false;
-  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
-    if (!((kGpuBwdHeadDimsMask >> i) & 1)) { continue; }
-    built += (built.empty() ? "" : ", ") + std::to_string(kGpuHeadDims[i]);
-    found = found || padded <= kGpuHeadDims[i];
+  for (int hd : gpu_bwd_head_dims()) {
+    built += (built.empty() ? "" : ", ") + std::to_string(hd);
+    found = found || padded <= hd;
   }
   c.require(found || d > 256, "head_dim", std::to_string(d),
             "no GPU backward kernel for it in this build (compiled backward head dims: " +
@@ -320,6 +320,14 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
 }
 
 }  // namespace
+
+std::vector<int> gpu_bwd_head_dims() {
+  std::vector<int> out;
+  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
+    if ((kGpuBwdHeadDimsMask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
+  }
+  return out;
+}
 
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(

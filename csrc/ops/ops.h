@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 
@@ -24,5 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
 Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
               int64_t window_left, int64_t window_right, double softcap,
               std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, double dropout_p = 0);
+
+// The head dims the CUDA backward was compiled for (FLASH_EXT_BWD_HEADDIMS; empty in a build without CUDA).
+std::vector<int> gpu_bwd_head_dims();
 
 }  // namespace flash_ext::ops
