@@ -86,9 +86,10 @@ def test_opcheck_varlen_fwd_requires_grad(device):
 class _Attention(torch.nn.Module):
     """Causal self-attention with GQA: projections to q and to a packed kv, flash_ext or SDPA in between."""
 
-    def __init__(self, dim: int, nheads: int, nheads_k: int, use_flash: bool):
+    def __init__(self, dim: int, nheads: int, nheads_k: int, use_flash: bool, deterministic: bool = False):
         super().__init__()
         self.nheads, self.nheads_k, self.head_dim, self.use_flash = nheads, nheads_k, dim // nheads, use_flash
+        self.deterministic = deterministic
         self.wq = torch.nn.Linear(dim, dim, bias=False)
         self.wkv = torch.nn.Linear(dim, 2 * nheads_k * self.head_dim, bias=False)
         self.wo = torch.nn.Linear(dim, dim, bias=False)
@@ -98,7 +99,7 @@ class _Attention(torch.nn.Module):
         q = self.wq(x).view(b, s, self.nheads, self.head_dim)
         kv = self.wkv(x).view(b, s, 2, self.nheads_k, self.head_dim)
         if self.use_flash:
-            o = flash_ext.flash_attn_kvpacked_func(q, kv, causal=True)
+            o = flash_ext.flash_attn_kvpacked_func(q, kv, causal=True, deterministic=self.deterministic)
         else:
             k, v = (t.repeat_interleave(self.nheads // self.nheads_k, 2).transpose(1, 2) for t in kv.unbind(2))
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True).transpose(1, 2)
@@ -174,14 +175,18 @@ def test_compile_training_step_fullgraph(device):
     backward with trace_autograd_ops.  The backward is torch.autograd.grad and the update a hand-written SGD
     step: torch.optim's step() deliberately breaks the graph (its _use_grad wrapper), and in this torch a
     traced loss.backward() / p.grad = None leaves .grad set between calls (gradients then accumulate across
-    steps; the same happens without flash_ext)."""
+    steps; the same happens without flash_ext).  The GPU's dQ is accumulated in the deterministic order (with
+    atomics the sums' order changes between calls), and its bf16 steps are compared at bf16's resolution:
+    inductor evaluates the graph's elementwise ops in fp32 where eager rounds each to bf16 (measured on an
+    H200: 11 of 65536 weights apart, by at most 4.6e-5)."""
     device = require_device(device)
     _skip_missing_head_dim(device, 64)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)
 
     def make():
         torch.manual_seed(2)
-        return _Attention(256, 4, 2, use_flash=True).to(device=device, dtype=dtype)
+        return _Attention(256, 4, 2, use_flash=True, deterministic=True).to(device=device, dtype=dtype)
 
     def step(m, x, target):
         loss = F.mse_loss(m(x), target)
@@ -200,9 +205,9 @@ def test_compile_training_step_fullgraph(device):
         for _ in range(3):
             loss_e = step(m_e, x, target)
             loss_c = compiled(m_c, x, target)
-            torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss_c, loss_e, **tol)
     for (name, pe), pc in zip(m_e.named_parameters(), m_c.parameters()):
-        torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(pc, pe, **tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
