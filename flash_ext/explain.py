@@ -56,12 +56,13 @@ class Explanation:
         if self.roofline is not None:
             r = self.roofline
             lines += [
-                f"roofline    {r.gpu.name} (static model, unverified on GPU): tile {r.block_m} x {r.block_n}, "
-                f"{r.num_warps} warps, {r.num_splits} split(s), {r.ctas} CTAs, {r.ctas_per_sm} per SM",
-                f"            {r.time * 1e6:.1f} us predicted, bound by {r.bound}; tensor cores "
-                f"{r.t_tensor * 1e6:.1f} us, shared memory {r.t_smem * 1e6:.1f} us "
-                f"({r.fma_per_smem_byte:.1f} FMA/B, bar {r.gpu.fma_per_smem_byte_bar:.1f}), HBM "
-                f"{r.t_hbm * 1e6:.1f} us, CTA schedule {r.t_schedule * 1e6:.1f} us",
+                f"roofline    {r.gpu.name} (static model; measured on an H200 only): tile {r.block_m} x "
+                f"{r.block_n}, {r.num_warps} warps, {r.num_splits} split(s), {r.ctas} CTAs, {r.ctas_per_sm} per SM",
+                f"            {r.time * 1e6:.1f} us if the units overlap fully, {r.serial * 1e6:.1f} us if not at "
+                f"all; bound by {r.bound}; tensor cores {r.t_tensor * 1e6:.1f} us, shared memory "
+                f"{r.t_smem * 1e6:.1f} us ({r.fma_per_smem_byte:.1f} FMA/B, bar {r.gpu.fma_per_smem_byte_bar:.1f}), "
+                f"special functions {r.t_sfu * 1e6:.1f} us, HBM {r.t_hbm * 1e6:.1f} us, CTA schedule "
+                f"{r.t_schedule * 1e6:.1f} us",
             ]
         return "\n".join(lines)
 

@@ -10,9 +10,18 @@ The model (docs/perf.md, "Static model", has the arithmetic and the sources of e
   all of K and all of V with ldmatrix, and cp.async writes K and V once.  Per CTA once: Q written, O
   staged (written and read back).  These per-tile counts are the ones ``scripts/kernel_report.py`` reads
   from the SASS (docs/kernels.md).
-* Time per CTA = max(MMA FLOPs / the SM's mma.sync rate, shared bytes / the SM's shared-memory rate),
-  i.e. tensor cores and shared memory overlap perfectly and everything else (softmax, exp2, address
-  arithmetic, barriers, latency) hides under them: a lower bound per CTA.
+* Special functions: per visited tile every score takes one ``ex2`` (MUFU) and every two probabilities one
+  fp32 -> 16-bit pack conversion, both on the SM's 16-per-clock units (CUDA C++ Programming Guide,
+  arithmetic instruction throughput, compute capability 8.x/9.0): 1.5 ops per score.  At head dim 64 that is
+  as much time as the tensor cores' (one score = 128 FMA at 1365 FMA/clk on Hopper's mma.sync = 1.5 ops at
+  16/clk).
+* Time per CTA, two ways: the **overlap bound** max(tensor, shared memory, special functions), everything
+  else (address arithmetic, barriers, latency) hidden under them, a lower bound; and the **serial estimate**
+  tensor + shared memory + special functions, no overlap at all.  On the H200 (docs/perf.md, "GPU") the
+  measured forward lay at 0.73-1.07 of the serial estimate from 2048 keys up (0.87-1.47 at 512-1024 keys,
+  where launch and wave tails count) and at 1.4-3.3x the overlap bound, over 72 rows of two builds (the
+  sum was chosen after seeing those rows: an estimate, not a validated predictor).  The overlap bound is the
+  ceiling a better schedule (FA3's ping-pong of softmax against the GEMMs) could approach.
 * CTAs are list-scheduled in launch order onto ``sms x k`` slots, each with ``1/k`` of an SM, where k is
   the tile's resident CTAs per SM, or fewer when the grid does not fill them (``ceil(ctas / sms)``: the
   hardware spreads a grid over the SMs first); the makespan captures wave quantisation and causal imbalance.
@@ -20,13 +29,14 @@ The model (docs/perf.md, "Static model", has the arithmetic and the sources of e
   by the combine) at the datasheet bandwidth, scaled by the share of SMs that have a CTA (one SM cannot
   pull the whole bandwidth; fair share assumed).  K/V re-reads by the m-blocks of a head are assumed to
   hit L2.
-* Predicted time = max(makespan, HBM time).  The bound: HBM if it is the larger; "waves/occupancy" if the
-  makespan exceeds the perfectly balanced compute time by more than 25% (SMs idle for >= 20% of it);
-  otherwise whichever of tensor cores / shared memory has more work.
+* Predicted time = max(makespan, HBM time) with the overlap bound per CTA; ``serial`` the same with the
+  serial estimate.  The bound: HBM if it is the larger; "waves/occupancy" if the makespan exceeds the
+  perfectly balanced compute time by more than 25% (SMs idle for >= 20% of it); otherwise whichever of tensor
+  cores / shared memory / special functions has the most work.
 
 Not modelled: launch latency (~ a few microseconds), the combine kernel's own time beyond its bytes, dropout's RNG,
-L2 capacity misses, clocks below boost, register-bound latency hiding.  Unverified on GPU: the first
-measurement calibrates it (``python -m flash_ext.bench`` prints it next to the measured time).
+L2 capacity misses, clocks below boost, register-bound latency hiding.  ``python -m flash_ext.bench`` prints
+both times next to each measurement on a GPU the model knows; measured on an H200 only (A100: unverified).
 """
 from __future__ import annotations
 
@@ -36,7 +46,7 @@ import math
 from typing import Any, Dict, List, Optional
 
 __all__ = ["GpuSpec", "GPUS", "Roofline", "gpu_spec", "predict", "tile_smem_bytes", "tile_mma_flops",
-           "kv_tile_ranges"]
+           "tile_sfu_ops", "kv_tile_ranges"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +61,7 @@ class GpuSpec:
     smem_bytes_per_clk_sm: int = 128  # 32 banks x 4 bytes
     smem_per_sm: int = 164 * 1024  # shared memory per SM usable by CTAs
     max_smem_per_block_optin: int = 163 * 1024
+    sfu_ops_per_clk_sm: int = 16  # ex2 and fp32 -> 16-bit conversions per clock per SM (cc 8.x and 9.0)
 
     @property
     def mma_flops(self) -> float:
@@ -61,6 +72,11 @@ class GpuSpec:
     def smem_bytes_s(self) -> float:
         """Shared-memory bytes per second of the whole GPU."""
         return float(self.smem_bytes_per_clk_sm) * self.sms * self.clock_ghz * 1e9
+
+    @property
+    def sfu_ops_s(self) -> float:
+        """Special-function (ex2, conversion) results per second of the whole GPU."""
+        return float(self.sfu_ops_per_clk_sm) * self.sms * self.clock_ghz * 1e9
 
     @property
     def fma_per_smem_byte_bar(self) -> float:
@@ -94,6 +110,11 @@ def gpu_spec(name: str) -> GpuSpec:
 def tile_mma_flops(block_m: int, block_n: int, head_dim: int) -> int:
     """MMA FLOPs of one K/V tile: S = Q K^T and O += P V over the whole tile."""
     return 4 * block_m * block_n * head_dim
+
+
+def tile_sfu_ops(block_m: int, block_n: int) -> float:
+    """Special-function ops of one K/V tile: an ex2 per score, a pack conversion per two probabilities."""
+    return 1.5 * block_m * block_n
 
 
 def tile_smem_bytes(block_m: int, block_n: int, head_dim: int, num_warps: int, elem: int = 2,
@@ -159,9 +180,11 @@ class Roofline:
     t_tensor: float  # all MMA work spread evenly over every SM
     t_smem: float  # all shared-memory traffic spread evenly over every SM
     t_hbm: float
-    t_schedule: float  # makespan of the CTA list schedule
-    time: float
+    t_schedule: float  # makespan of the CTA list schedule, overlap bound per CTA
+    time: float  # the overlap bound: max(t_schedule, t_hbm)
     bound: str
+    t_sfu: float = 0.0  # all special-function work spread evenly over every SM
+    serial: float = 0.0  # the serial estimate: the same schedule with tensor + smem + sfu per CTA, or HBM
 
     @property
     def fma_per_smem_byte(self) -> float:
@@ -172,10 +195,12 @@ class Roofline:
         return self.useful_flops / self.time / 1e12 if self.time > 0 else 0.0
 
     def __str__(self) -> str:
-        return (f"{self.gpu.name}: {self.time * 1e6:.1f} us predicted, {self.bound}-bound "
+        return (f"{self.gpu.name}: {self.time * 1e6:.1f} us predicted (overlap bound; serial estimate "
+                f"{self.serial * 1e6:.1f} us), {self.bound}-bound "
                 f"({self.useful_tflops:.0f} TFLOP/s useful); tensor {self.t_tensor * 1e6:.1f} us, "
                 f"smem {self.t_smem * 1e6:.1f} us ({self.fma_per_smem_byte:.1f} FMA/B, bar "
-                f"{self.gpu.fma_per_smem_byte_bar:.1f}), HBM {self.t_hbm * 1e6:.1f} us, schedule "
+                f"{self.gpu.fma_per_smem_byte_bar:.1f}), special functions {self.t_sfu * 1e6:.1f} us, "
+                f"HBM {self.t_hbm * 1e6:.1f} us, schedule "
                 f"{self.t_schedule * 1e6:.1f} us over {self.ctas} CTAs in {self.gpu.sms}x{self.ctas_per_sm} slots")
 
 
@@ -210,9 +235,11 @@ def predict(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, 
     tiles = kv_tile_ranges(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right, num_splits)
     per_tile_flops = tile_mma_flops(block_m, block_n, head_dim_tile)
     per_tile_smem = tile_smem_bytes(block_m, block_n, head_dim_tile, num_warps, q_in_regs=q_in_regs)
+    per_tile_sfu = tile_sfu_ops(block_m, block_n)
     per_cta_smem = 3 * block_m * head_dim_tile * 2  # Q written once; O staged: written, read back
     sm_flops = gpu.mma_flops / gpu.sms
     sm_smem = gpu.smem_bytes_s / gpu.sms
+    sm_sfu = gpu.sfu_ops_s / gpu.sms
     groups = batch * heads
     # The CTAs an SM actually holds: the hardware spreads a grid over the SMs first, so a grid smaller than
     # sms x ctas_per_sm leaves each SM ceil(ctas / sms) of them, each with that share of the SM.
@@ -220,16 +247,20 @@ def predict(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, 
     per_sm = max(1, min(ctas_per_sm, math.ceil(ctas / gpu.sms)))
     # Launch order: blockIdx.x = m_block fastest, then batch, then split * heads + head.
     durations: List[float] = []
+    serial_durations: List[float] = []
     for split_tiles in tiles:
-        column = [max(n * per_tile_flops / sm_flops, (n * per_tile_smem + per_cta_smem) / sm_smem) * per_sm
-                  for n in split_tiles]
-        durations += column * groups
+        parts = [(n * per_tile_flops / sm_flops, (n * per_tile_smem + per_cta_smem) / sm_smem, n * per_tile_sfu / sm_sfu)
+                 for n in split_tiles]
+        durations += [max(p) * per_sm for p in parts] * groups
+        serial_durations += [sum(p) * per_sm for p in parts] * groups
     total_tiles = groups * sum(sum(t) for t in tiles)
     mma_flops = float(total_tiles) * per_tile_flops
     smem_bytes = float(total_tiles) * per_tile_smem + float(ctas) * per_cta_smem
     t_tensor = mma_flops / gpu.mma_flops
     t_smem = smem_bytes / gpu.smem_bytes_s
+    t_sfu = float(total_tiles) * per_tile_sfu / gpu.sfu_ops_s
     t_schedule = _makespan(durations, gpu.sms * per_sm)
+    t_serial = _makespan(serial_durations, gpu.sms * per_sm)
 
     # Compulsory HBM bytes: the K/V tiles some m_block reads (once per K/V head), Q, O, LSE, split partials.
     spans = sorted(_tile_range(m, seqlen_q, seqlen_k, block_m, block_n, window_left, window_right)
@@ -251,17 +282,20 @@ def predict(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, 
 
     useful = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
     time = max(t_schedule, t_hbm)
-    balanced = max(t_tensor, t_smem)
+    balanced = max(t_tensor, t_smem, t_sfu)
     if t_hbm >= t_schedule:
         bound = "HBM"
     elif t_schedule > 1.25 * balanced:
         bound = "waves/occupancy"
+    elif t_sfu >= max(t_tensor, t_smem):
+        bound = "special functions"
     elif t_smem > t_tensor:
         bound = "shared memory"
     else:
         bound = "tensor cores"
     return Roofline(gpu, block_m, block_n, num_warps, head_dim_tile, num_splits, ctas, ctas_per_sm, mma_flops,
-                    useful, smem_bytes, hbm, t_tensor, t_smem, t_hbm, t_schedule, time, bound)
+                    useful, smem_bytes, hbm, t_tensor, t_smem, t_hbm, t_schedule, time, bound, t_sfu,
+                    max(t_serial, t_hbm))
 
 
 def predict_plan(plan: Dict[str, Any], gpu: GpuSpec, requested_splits: int = 0) -> Roofline:
@@ -308,8 +342,8 @@ def _grid_table(gpus: List[str]) -> str:
     head dims 64 and 128, causal and not) and GQA decode steps, as a markdown table.  The problems are given
     as the kernel sees them (a decode step's 4 query heads per K/V head are 4 rows, as swap_query_groups
     makes them), so the table needs no CPU kernel of those head dims in this build."""
-    rows = ["| GPU | problem (kernel's view) | tile, splits | predicted us | useful TFLOP/s | bound | "
-            "tensor / smem / HBM / schedule us |", "|---|---|---|---|---|---|---|"]
+    rows = ["| GPU | problem (kernel's view) | tile, splits | overlap / serial us | useful TFLOP/s (overlap) | bound | "
+            "tensor / smem / sfu / HBM / schedule us |", "|---|---|---|---|---|---|---|"]
     # (b, h, h_k, seqlen_q, seqlen_k, d, causal)
     problems = [(16384 // s, 2048 // d, 2048 // d, s, s, d, c) for d in (64, 128) for c in (False, True)
                 for s in (512, 2048, 8192, 16384)]
@@ -322,8 +356,9 @@ def _grid_table(gpus: List[str]) -> str:
             r = predict_plan(plan, gpu_spec(name))
             shape = f"b={b} h={h}/{hk} sq={sq} sk={sk} d={d}{' causal' if causal else ''}"
             rows.append(f"| {name} | {shape} | {r.block_m}x{r.block_n}/{r.num_warps}w, {r.num_splits} | "
-                        f"{r.time * 1e6:.1f} | {r.useful_tflops:.0f} | {r.bound} | {r.t_tensor * 1e6:.1f} / "
-                        f"{r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / {r.t_schedule * 1e6:.1f} |")
+                        f"{r.time * 1e6:.1f} / {r.serial * 1e6:.1f} | {r.useful_tflops:.0f} | {r.bound} | "
+                        f"{r.t_tensor * 1e6:.1f} / {r.t_smem * 1e6:.1f} / {r.t_sfu * 1e6:.1f} / "
+                        f"{r.t_hbm * 1e6:.1f} / {r.t_schedule * 1e6:.1f} |")
     return "\n".join(rows)
 
 
@@ -333,8 +368,8 @@ def _decode_tiles_table(gpus: List[str]) -> str:
     dispatch.h's heuristic gives it over that many slots."""
     from . import _C
 
-    rows = ["| GPU | b, sk | tile (M x N / warps) | splits | predicted us | bound | "
-            "tensor / smem / HBM / schedule us |", "|---|---|---|---|---|---|---|"]
+    rows = ["| GPU | b, sk | tile (M x N / warps) | splits | overlap / serial us | bound | "
+            "tensor / smem / sfu / HBM / schedule us |", "|---|---|---|---|---|---|---|"]
     for name in gpus:
         spec = gpu_spec(name)
         for b, sk in ((1, 8192), (8, 8192), (8, 65536)):
@@ -346,7 +381,8 @@ def _decode_tiles_table(gpus: List[str]) -> str:
                 splits = _C.num_splits_heuristic(b * 8 * math.ceil(4 / bm), spec.sms * per_sm, math.ceil(sk / bn))
                 r = predict(b, 8, 8, 4, sk, 128, spec, bm, bn, warps, 128, num_splits=splits, ctas_per_sm=per_sm)
                 today = " (today)" if (bm, bn, warps) == (cur["block_m"], cur["block_n"], cur["num_warps"]) else ""
-                rows.append(f"| {name} | {b}, {sk} | {bm} x {bn} / {warps}{today} | {splits} | {r.time * 1e6:.1f} | "
-                            f"{r.bound} | {r.t_tensor * 1e6:.1f} / {r.t_smem * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / "
+                rows.append(f"| {name} | {b}, {sk} | {bm} x {bn} / {warps}{today} | {splits} | "
+                            f"{r.time * 1e6:.1f} / {r.serial * 1e6:.1f} | {r.bound} | {r.t_tensor * 1e6:.1f} / "
+                            f"{r.t_smem * 1e6:.1f} / {r.t_sfu * 1e6:.1f} / {r.t_hbm * 1e6:.1f} / "
                             f"{r.t_schedule * 1e6:.1f} |")
     return "\n".join(rows)

@@ -5,6 +5,8 @@ model"), on a made-up GPU with round numbers so that the arithmetic is checkable
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,6 +69,22 @@ def test_one_cta_on_two_sms_is_occupancy_bound() -> None:
     assert r.time == pytest.approx(2.944e-6)
     assert r.bound == "waves/occupancy"  # 2.944 > 1.25 x 1.472
     assert r.useful_flops == 4 * 128 * 128 * 64
+
+
+def test_special_functions_and_the_serial_estimate() -> None:
+    # Per tile 1.5 x 128 x 64 = 12288 ex2 + pack conversions; at 16 per clock and 1 GHz 0.768 us, so the one
+    # CTA of the occupancy case spends 1.536 us on them: under its shared-memory 2.944 us (overlap bound
+    # unchanged), and the serial estimate adds all three: 2.048 + 2.944 + 1.536 = 6.528 us.
+    assert rl.tile_sfu_ops(128, 64) == 12288
+    r = rl.predict(1, 1, 1, 128, 128, 64, TOY2, block_m=128, block_n=64, num_warps=8, head_dim_tile=64)
+    assert r.t_sfu == pytest.approx(2 * 12288 / 32e9)
+    assert r.time == pytest.approx(2.944e-6) and r.serial == pytest.approx(6.528e-6)
+    # Special functions at a quarter of the rate (4 per clock): 6.144 us per CTA bound the full grid.
+    slow_sfu = dataclasses.replace(TOY100_FAST_HBM, sfu_ops_per_clk_sm=4)
+    r = rl.predict(2, 100, 100, 128, 128, 64, slow_sfu, block_m=128, block_n=64, num_warps=4, head_dim_tile=64)
+    assert r.t_schedule == pytest.approx(2 * 6.144e-6) and r.bound == "special functions"
+    # The H200's rate: 16 x 132 SMs x 1.83 GHz.
+    assert rl.gpu_spec("H200").sfu_ops_s == pytest.approx(16 * 132 * 1.83e9)
 
 
 def test_full_grid_is_shared_memory_bound() -> None:

@@ -53,6 +53,7 @@ class FwdRow:
     ratio_best_sdpa_cpu_time: Optional[float] = None  # CPU device: same ratio from process CPU time
     model_ms: Optional[float] = None  # CUDA: the static roofline's predicted time (flash_ext.roofline)
     model_bound: Optional[str] = None  # and the resource it says limits the call
+    serial_ms: Optional[float] = None  # the model's serial estimate (no overlap of its terms)
 
 
 def bench_fwd_config(cfg: FwdConfig, device: torch.device, backends: Sequence[str], with_naive: bool,
@@ -70,7 +71,7 @@ def bench_fwd_config(cfg: FwdConfig, device: torch.device, backends: Sequence[st
     if device.type == "cuda":
         model = flash_ext.explain(q, k, v, causal=cfg.causal, verbose=False).roofline
         if model is not None:
-            row.model_ms, row.model_bound = model.time * 1e3, model.bound
+            row.model_ms, row.model_bound, row.serial_ms = model.time * 1e3, model.bound, model.serial * 1e3
 
     # flash_ext: correctness guard first; a wrong result gets no speed.
     try:
@@ -180,7 +181,7 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device, matmul_peak: Option
     cpu = device.type == "cpu"
     model = any(r.model_ms is not None for r in rows)
     headers = ["dtype", "b", "s", "h", "d", "causal", "flash ms"] + (
-        ["model ms", "model bound", "x model"] if model else []) + [f"{c} TF/s" for c in shown] + [
+        ["model ms", "model bound", "x model", "serial ms", "x serial"] if model else []) + [f"{c} TF/s" for c in shown] + [
         "best sdpa", "x best", "x sdpa:flash"] + (["x best (cpu time)"] if cpu else []) + (
         ["/ matmul"] if matmul_peak else []) + ["max err", "check"]
     table_rows = []
@@ -188,10 +189,13 @@ def _fwd_table(rows: Sequence[FwdRow], device: torch.device, matmul_peak: Option
         cells = [r.dtype, str(r.batch), str(r.seqlen), str(r.nheads), str(r.head_dim), "Y" if r.causal else "N"]
         fl = r.impls.get("flash_ext")
         cells.append(fmt(fl.median_s * 1e3, 4) if fl is not None and fl.median_s is not None else "-")
-        if model:  # x model = measured / predicted time: 1.0 means the model's bound is reached
+        if model:  # x model = measured / overlap bound (1.0: the bound is reached); x serial = measured /
+            # serial estimate (below 1.0: the kernel overlaps its units that much)
             measured = fl.median_s * 1e3 if fl is not None and fl.median_s is not None else None
             cells += [fmt(r.model_ms, 4), r.model_bound or "-",
-                      fmt(measured / r.model_ms) if measured is not None and r.model_ms else "-"]
+                      fmt(measured / r.model_ms) if measured is not None and r.model_ms else "-",
+                      fmt(r.serial_ms, 4) if r.serial_ms else "-",
+                      fmt(measured / r.serial_ms) if measured is not None and r.serial_ms else "-"]
         for c in shown:
             ir = r.impls.get(c)
             if ir is None:
