@@ -13,8 +13,10 @@
 #   bench    forward against torch SDPA's flash / cuDNN / efficient backends, head dims 64 and 128
 #   bwd      forward+backward against the same backends, head dim 64
 #   decode   one query row, GQA, KV cache 4k-128k, split-KV
+#   device_smoke  when the main extension was prebuilt: the same tree built here, by this image's compilers
+#            (a user's path), in the background while the tests run, then the quick sanitizer cases on it
 #   baseline the forward and decode on a build with FLASH_EXT_GPU_FWD_WARPS=8 (the 128 x 64, 8-warp tiles
-#            before #14's 4-warp and decode tiles), built in the background while the tests run
+#            before #14's 4-warp and decode tiles), prebuilt or built in the background while the tests run
 #   memcheck / racecheck   compute-sanitizer on the quick cases
 #   dropout  forward with dropout against SDPA with dropout
 #   tests_full  the full forward/backward grid on the GPU, for whatever time is left
@@ -81,48 +83,55 @@ BUILD_ENV=(FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=64,128 FLASH_EXT_BWD_HEADD
 # A prebuilt extension (.carry/prebuilt/, built on the dev machine against this image's python and torch with
 # BUILD_ENV: docs/perf.md) saves the build's minutes; it is used when it imports, else the tree builds here.
 prebuilt=$(ls .carry/prebuilt/_C*.so 2>/dev/null | head -n 1)
+used_prebuilt=""
 if [ -n "$prebuilt" ] && cp "$prebuilt" flash_ext/ &&
    $PY -c "import flash_ext; print(flash_ext.build_info())" > "$WORK/prebuilt.log" 2>&1; then
-  status[build]="prebuilt: $(basename "$prebuilt")"; order+=(build); cat "$WORK/prebuilt.log"
+  status[build]="prebuilt: $(basename "$prebuilt")"; order+=(build); used_prebuilt=1; cat "$WORK/prebuilt.log"
 else
   [ -n "$prebuilt" ] && { rm -f "flash_ext/$(basename "$prebuilt")"; cat "$WORK/prebuilt.log"; }
   step build 330 env "${BUILD_ENV[@]}" $PY setup.py build_ext --inplace || { echo "build failed"; pack; exit 1; }
 fi
 
-# The baseline tree builds in the background (low priority) while the correctness steps use the GPU.
-# `timeout` leads its own process group, so killing it stops ninja and nvcc too.
-BASE=$(dirname "$WORK")/base
-mkdir -p "$BASE" && cp -r csrc flash_ext scripts setup.py pyproject.toml README.md "$BASE"/ &&
-  ln -s "$PWD/third_party" "$BASE/third_party" && rm -f "$BASE"/flash_ext/_C*.so
-if ls .carry/prebuilt_base/_C*.so > /dev/null 2>&1; then  # built on the dev machine like the main one
-  cp .carry/prebuilt_base/_C*.so "$BASE"/flash_ext/
-fi
-base_pid=""
-if ! ls "$BASE"/flash_ext/_C*.so > /dev/null 2>&1 &&
-   { [ -z "${GPU_CHECK_STEPS:-}" ] || [[ " $GPU_CHECK_STEPS " == *" tiles_old "* ]]; }; then
-  ( cd "$BASE" && exec env FLASH_EXT_GPU_FWD_WARPS=8 FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=64,128 \
-      FLASH_EXT_BWD_HEADDIMS=none FLASH_EXT_HOST_HEADDIMS=64 FLASH_EXT_EMULATOR=0 MAX_JOBS=$JOBS \
-      timeout 400 nice -n 19 $PY setup.py build_ext --inplace > "$WORK/baseline_build.log" 2>&1 ) &
-  base_pid=$!
-fi
-base_t0=$(date +%s)
+# Trees built in the background (low priority) while the correctness steps use the GPU: the 8-warp baseline
+# (unless prebuilt), and -- when the main extension was prebuilt -- the main tree with this machine's own
+# compilers, the path a user's `pip install` takes (a build made here crashed at its first call on
+# 2026-12-04 while the same sources built on the dev machine ran: docs/perf.md).  `timeout` leads its own
+# process group, so stopping it stops ninja and nvcc too.
+declare -A bg_pid bg_dir
+asked() { [ -z "${GPU_CHECK_STEPS:-}" ] || [[ " $GPU_CHECK_STEPS " == *" $1 "* ]]; }
+bg_build() {  # name, prebuilt folder (may be empty), build environment...
+  local name=$1 pre=$2 dir; shift 2
+  dir=$(dirname "$WORK")/$name; bg_dir[$name]=$dir
+  mkdir -p "$dir" && cp -r csrc flash_ext scripts setup.py pyproject.toml README.md "$dir"/ &&
+    ln -s "$PWD/third_party" "$dir/third_party" && rm -f "$dir"/flash_ext/_C*.so
+  if [ -n "$pre" ] && ls "$pre"/_C*.so > /dev/null 2>&1; then cp "$pre"/_C*.so "$dir"/flash_ext/; return; fi
+  ( cd "$dir" && exec env "$@" MAX_JOBS=$JOBS timeout 400 nice -n 19 $PY setup.py build_ext --inplace \
+      > "$WORK/${name}_build.log" 2>&1 ) &
+  bg_pid[$name]=$!
+}
+bg_wait() {  # name: at most 60 s more once the foreground steps are done, then stopped
+  local name=$1 pid=${bg_pid[$1]:-}
+  if [ -n "$pid" ]; then
+    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  fi
+  order+=("${name}_build")
+  if ! ls "${bg_dir[$name]}"/flash_ext/_C*.so > /dev/null 2>&1; then status[${name}_build]="not built in time"; return 1; fi
+  status[${name}_build]=$([ -z "$pid" ] && echo prebuilt || echo "built in $(( $(date +%s) - bg_t0 ))s or less")
+}
+bg_t0=$(date +%s)
+asked tiles_old && bg_build base .carry/prebuilt_base FLASH_EXT_GPU_FWD_WARPS=8 FLASH_EXT_CUDA_ARCHS=90 \
+  FLASH_EXT_HEADDIMS=64,128 FLASH_EXT_BWD_HEADDIMS=none FLASH_EXT_HOST_HEADDIMS=64 FLASH_EXT_EMULATOR=0
+[ -n "$used_prebuilt" ] && asked device_smoke && bg_build device "" "${BUILD_ENV[@]}"
 
 step smoke 60 $PY scripts/sanitizer_cases.py
 TIMEOUT_ARG=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")
 step tests 200 $PY -m pytest -q -m "cuda and not full" -p no:cacheprovider -rfE --maxfail=40 $TIMEOUT_ARG tests
-# Results first: the baseline gets at most 60 s more once the tests are done, then is stopped.
-if [ -n "$base_pid" ]; then
-  for _ in $(seq 60); do kill -0 "$base_pid" 2>/dev/null || break; sleep 1; done
-  kill -TERM "$base_pid" 2>/dev/null; wait "$base_pid" 2>/dev/null
+if [ -n "${bg_dir[device]:-}" ] && bg_wait device; then
+  step device_smoke 60 bash -c "cd '${bg_dir[device]}' && $PY scripts/sanitizer_cases.py --quick"
 fi
-if [ -z "$base_pid" ] && ls "$BASE"/flash_ext/_C*.so > /dev/null 2>&1; then
-  status[baseline_build]="prebuilt"
-elif ls "$BASE"/flash_ext/_C*.so > /dev/null 2>&1; then
-  status[baseline_build]="built in $(( $(date +%s) - base_t0 ))s or less"
-else
-  status[baseline_build]="not built in time"
-fi
-order+=(baseline_build)
+[ -n "${bg_dir[base]:-}" ] && bg_wait base
+BASE=${bg_dir[base]:-/nonexistent}
 FWD=(--device cuda --no-naive --backends flash cudnn efficient)
 step bench 100 $PY -m flash_ext.bench "${FWD[@]}" --headdims 64 128 --json "$WORK/bench.json"
 step bwd 90 $PY -m flash_ext.bench fwd+bwd --device cuda --backends flash cudnn efficient --no-naive \
