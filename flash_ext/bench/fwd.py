@@ -221,13 +221,15 @@ def run_fwd(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     rows: List[FwdRow] = []
     print(f"fwd: {len(configs)} configurations, warmup {warmup}, median of {repeats}; "
           f"TF/s = TFLOP/s with FLOPs = 4*b*s^2*h*d (/2 causal)", flush=True)
-    # The machine's own GEMM rate in this run (CPU): the "/ matmul" column divides flash_ext's TF/s by the
-    # faster of the benchmark dtype's and fp32's torch.matmul, measured before and after the grid (the max).
-    matmul: Dict[str, float] = {}
-    mm_dtypes = list(dict.fromkeys([DTYPES[args.dtype], torch.float32]))
-    if device.type == "cpu":
-        matmul = matmul_peak_tflops(device, mm_dtypes, warmup, repeats)
-        print(f"  torch.matmul (2048^3 unless @size): " + ", ".join(f"{k} {fmt(v)} TF/s" for k, v in matmul.items()), flush=True)
+    # The machine's own GEMM rate in this run: the "/ matmul" column divides flash_ext's TF/s by the faster of
+    # the benchmark dtype's and fp32's torch.matmul (CPU, 2048^3) or by the benchmark dtype's (CUDA, 8192^3:
+    # cuBLAS, on Hopper through wgmma), measured before and after the grid (the max).
+    cuda = device.type == "cuda"
+    mm_dtypes = [DTYPES[args.dtype]] if cuda else list(dict.fromkeys([DTYPES[args.dtype], torch.float32]))
+    mm_n = 8192 if cuda else 2048
+    matmul = matmul_peak_tflops(device, mm_dtypes, warmup, repeats, n=mm_n)
+    print(f"  torch.matmul ({mm_n}^3 unless @size): " + ", ".join(f"{k} {fmt(v)} TF/s" for k, v in matmul.items()),
+          flush=True)
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
         row = bench_fwd_config(cfg, device, backends, not args.no_naive, warmup, repeats, args.sdpa_layout, notes)
@@ -236,14 +238,12 @@ def run_fwd(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
         print(f"  [{i + 1}/{len(configs)}] {cfg.describe()}: check {row.check}, flash_ext "
               f"{fmt(fl.tflops) if fl and fl.tflops else (fl.status if fl else '-')} TF/s, x best sdpa "
               f"{fmt(row.ratio_best_sdpa)} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    matmul_peak = None
-    if device.type == "cpu":
-        after = matmul_peak_tflops(device, mm_dtypes, warmup, repeats)
-        matmul = {k: max(v, after.get(k, 0.0)) for k, v in matmul.items()}
-        matmul_peak = max(matmul.values())
-        notes.append("torch.matmul 2048^3 (unless @size) in this run (best of before/after the grid): "
-                     + ", ".join(f"{k} {fmt(v)} TF/s" for k, v in matmul.items())
-                     + "; '/ matmul' = flash_ext TF/s over the faster")
+    after = matmul_peak_tflops(device, mm_dtypes, warmup, repeats, n=mm_n)
+    matmul = {k: max(v, after.get(k, 0.0)) for k, v in matmul.items()}
+    matmul_peak = max(matmul.values())
+    notes.append(f"torch.matmul {mm_n}^3 (unless @size) in this run (best of before/after the grid): "
+                 + ", ".join(f"{k} {fmt(v)} TF/s" for k, v in matmul.items())
+                 + "; '/ matmul' = flash_ext TF/s over the faster")
     return {
         "results": [asdict(r) for r in rows],
         "matmul_tflops": matmul,
