@@ -39,13 +39,7 @@ std::vector<int> emulator_head_dims() {
   return out;
 }
 
-std::vector<int> gpu_head_dims() {
-  std::vector<int> out;
-  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
-    if ((kGpuHeadDimsMask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
-  }
-  return out;
-}
+std::vector<int> gpu_head_dims() { return ops::gpu_head_dims_in(kGpuHeadDimsMask); }
 
 std::vector<std::string> cuda_archs() {
   std::vector<std::string> out;

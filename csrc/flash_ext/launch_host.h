@@ -69,11 +69,16 @@ constexpr int host_head_dim_for(int d) {
 // the first head's first element to the last head's d-th, per tensor); 0 when those heads do not lie side by
 // side (fewer than half of the bytes spanned are theirs, e.g. a (b, h_k, s, d) layout, whose head rows are one
 // stream each already): warming would read what no work item needs.
+// Elements from head kv_first's first element to head kv_last's d-th, in one key's row of K or V.
+inline int64_t host_warm_span(index_t head_stride, int kv_first, int kv_last, int d) {
+  return int64_t(kv_last - kv_first) * head_stride + d;
+}
+
 inline int64_t host_warm_row_bytes(FwdParams const& p, int kv_first, int kv_last, int element_size) {
   int64_t const heads = kv_last - kv_first + 1;
-  auto span = [&](int64_t head_stride) -> int64_t {
-    int64_t const bytes = (int64_t(kv_last - kv_first) * head_stride + p.d);
-    return 2 * heads * p.d >= bytes ? bytes : -1;
+  auto span = [&](index_t head_stride) -> int64_t {
+    int64_t const elems = host_warm_span(head_stride, kv_first, kv_last, p.d);
+    return 2 * heads * p.d >= elems ? elems : -1;
   };
   int64_t const k = span(p.k_head_stride), v = span(p.v_head_stride);
   return k > 0 && v > 0 ? (k + v) * element_size : 0;
@@ -123,7 +128,7 @@ void for_each_warm_range(FwdParams const& params, DynamicFlags const& flags, int
   int const rows = cute::min(n_max * kBlockN, binfo.seqlen_k) - n_min * kBlockN;
   if (int64_t(rows) * row_bytes > host_l2_bytes()) { return; }
   auto ranges = [&](void const* base, index_t batch_stride, index_t row_stride, index_t head_stride) {
-    int64_t const span = (int64_t(kv_last - kv_first) * head_stride + params.d) * int64_t(sizeof(Element));
+    int64_t const span = host_warm_span(head_stride, kv_first, kv_last, params.d) * int64_t(sizeof(Element));
     int64_t const row_step = row_stride * int64_t(sizeof(Element));
     for (int n = n_min; n < n_max; ++n) {
       char const* tile = reinterpret_cast<char const*>(

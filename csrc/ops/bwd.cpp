@@ -321,13 +321,7 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
 
 }  // namespace
 
-std::vector<int> gpu_bwd_head_dims() {
-  std::vector<int> out;
-  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
-    if ((kGpuBwdHeadDimsMask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
-  }
-  return out;
-}
+std::vector<int> gpu_bwd_head_dims() { return gpu_head_dims_in(kGpuBwdHeadDimsMask); }
 
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(

@@ -303,6 +303,14 @@ int gpu_built_head_dim_for(int d) {
   return -1;
 }
 
+std::vector<int> gpu_head_dims_in(int mask) {
+  std::vector<int> out;
+  for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {
+    if ((mask >> i) & 1) { out.push_back(kGpuHeadDims[i]); }
+  }
+  return out;
+}
+
 std::string gpu_head_dims_list() {
   std::string s;
   for (int i = 0; i < int(sizeof(kGpuHeadDims) / sizeof(int)); ++i) {

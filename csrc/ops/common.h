@@ -182,6 +182,8 @@ std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Ten
 // The host / GPU head dims this build compiled (FLASH_EXT_HOST_HEADDIMS, FLASH_EXT_HEADDIMS), comma-separated.
 std::string host_head_dims_list();
 std::string gpu_head_dims_list();
+// The head dims of kGpuHeadDims whose bit is set in mask (a FLASH_EXT_*_HEADDIMS_MASK), in order.
+std::vector<int> gpu_head_dims_in(int mask);
 // The smallest compiled GPU head dim >= d, or -1 (the CUDA dispatcher's rule).
 int gpu_built_head_dim_for(int d);
 
