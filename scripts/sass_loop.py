@@ -6,7 +6,8 @@ What is counted, per warp, for one iteration of the main loop (one K/V tile of t
 * ``ldsm`` / ``ldsm_bytes``: ldmatrix loads; ``.4`` moves four 8x8 16-bit matrices = 512 bytes per warp.
 * ``lds_bytes`` / ``sts_bytes``: plain shared loads / stores (32 lanes x width).
 * ``ldgsts`` / ``ldgsts_bytes``: cp.async global->shared copies (bytes written to shared memory).
-* ``ldg`` / ``ldg_bytes``: plain global loads.  ``bar``: CTA barriers.
+* ``ldg`` / ``ldg_bytes``: plain global loads.  ``bar``: CTA barriers.  ``vote``: warp votes (the online
+  softmax's per-tile decision whether to rescale, softmax.h; not on a CTA's first tile).
 * ``instructions``: instructions issued (``@!PT`` padding excluded).
 * ``smem_bytes`` = ldsm + lds + sts + ldgsts bytes: everything the loop moves through shared memory, and
   ``fma_per_smem_byte`` = fma / smem_bytes.  Every warp runs the same code, so the per-warp ratio is
@@ -25,8 +26,8 @@ How the loop is found (and the limits of the method):
    ``inner_loops`` says when that happened).
 3. Each metric is summed along the paths from the header to the latch branch.  ``steady`` is one path,
    the steady-state iteration of an interior tile: the most HMMA, then the most cp.async copies (the
-   next tiles' loads issued), then the fewest instructions (no zero-fill of rows past the sequence end,
-   no mask code).  ``min`` / ``max`` give each metric's range over all paths (they differ where an
+   next tiles' loads issued), then the most votes (not a CTA's first tile), then the fewest instructions
+   (no zero-fill of rows past the sequence end, no mask code, no rescale).  ``min`` / ``max`` give each metric's range over all paths (they differ where an
    iteration has a conditional part: the next K tile's copy skipped on the last iteration, predicated
    zero-fill copies of a partial tile, masking of a diagonal tile).  ``fma_per_smem_byte`` is the
    steady path's.
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 # `/*0760*/   @!P1 BRA 0x760 ;` (cuobjdump) - the encoding comment after the `;` is ignored.
 _INSTR = re.compile(r"^\s*/\*([0-9a-fA-F]{4,})\*/\s+(@!?U?P(?:T|\d+)\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
@@ -52,7 +53,7 @@ _TARGET = re.compile(r"0x([0-9a-fA-F]+)\s*$")
 _HMMA_FMA = {"16816": 16 * 8 * 16, "1688": 16 * 8 * 8, "884": 8 * 8 * 4}
 
 METRICS = ("instructions", "hmma", "fma", "ldsm", "ldsm_bytes", "lds_bytes", "sts_bytes", "ldgsts",
-           "ldgsts_bytes", "ldg", "ldg_bytes", "bar", "smem_bytes")
+           "ldgsts_bytes", "ldg", "ldg_bytes", "bar", "vote", "smem_bytes")
 
 
 @dataclasses.dataclass
@@ -146,6 +147,8 @@ def instr_metrics(ins: Instr) -> dict[str, int]:
         out["ldg_bytes"] = 32 * _width_bytes(op)
     elif base == "BAR" and ".SYNC" in op:
         out["bar"] = 1
+    elif base == "VOTE":
+        out["vote"] = 1
     out["smem_bytes"] = sum(out.get(k, 0) for k in ("ldsm_bytes", "lds_bytes", "sts_bytes", "ldgsts_bytes"))
     return out
 
@@ -167,11 +170,12 @@ class LoopMetrics:
         return self.steady["fma"] / b if b else float("inf")
 
 
-def steady_key(c: dict[str, int]) -> tuple[int, int, int]:
+def steady_key(c: dict[str, int]) -> tuple[int, int, int, int]:
     """Order of paths; the largest is the steady-state iteration: the most MMAs, then the most cp.async
-    copies (the next tiles' loads issued), then the fewest instructions (no zero-fill, no mask code: the
-    path of an interior, fully visible tile)."""
-    return (c["hmma"], c["ldgsts"], -c["instructions"])
+    copies (the next tiles' loads issued), then the most votes (a CTA's first tile skips the softmax's
+    vote, and would otherwise pass for the cheapest path), then the fewest instructions (no zero-fill, no
+    mask code, no rescale: the path of an interior, fully visible tile)."""
+    return (c["hmma"], c["ldgsts"], c["vote"], -c["instructions"])
 
 
 def _back_edges(instrs: list[Instr]) -> list[tuple[int, int]]:
@@ -189,8 +193,10 @@ def _static_count(instrs: Iterable[Instr], key: str) -> int:
     return sum(instr_metrics(ins).get(key, 0) for ins in instrs)
 
 
-def main_loop(fn: Function) -> LoopMetrics | None:
-    """Per-iteration metrics of the loop with the most HMMA instructions; None if no loop has any."""
+def main_loop(fn: Function, metrics: Callable[[Instr], dict[str, int]] = instr_metrics,
+              keys: tuple[str, ...] = METRICS) -> LoopMetrics | None:
+    """Per-iteration metrics of the loop with the most HMMA instructions; None if no loop has any.  `metrics`
+    and `keys` add counts of one's own (sass_mix.py: instruction classes); they must include METRICS."""
     instrs = fn.instrs
     edges = _back_edges(instrs)
     scored = [(_static_count(instrs[h:l + 1], "hmma"), -(l - h), h, l) for h, l in edges]
@@ -236,16 +242,16 @@ def main_loop(fn: Function) -> LoopMetrics | None:
 
     counts = []
     for s, e in blocks:
-        c = dict.fromkeys(METRICS, 0)
+        c = dict.fromkeys(keys, 0)
         for ins in region[s:e]:
-            for k, v in instr_metrics(ins).items():
+            for k, v in metrics(ins).items():
                 c[k] += v
         counts.append(c)
 
     # Sums along header-to-latch paths.  Address order is a topological order of the forward edges, and
     # the lexicographic steady_key is compatible with addition, so one pass keeps each block's best prefix.
     def add(a: dict, b: dict) -> dict:
-        return {k: a[k] + b[k] for k in METRICS}
+        return {k: a[k] + b[k] for k in keys}
 
     n = len(blocks)
     lo: list[dict | None] = [None] * n
@@ -261,13 +267,13 @@ def main_loop(fn: Function) -> LoopMetrics | None:
             continue
         if reaches_latch[j]:
             total_paths += npaths[j]
-            out_lo = lo[j] if out_lo is None else {k: min(out_lo[k], lo[j][k]) for k in METRICS}
-            out_hi = hi[j] if out_hi is None else {k: max(out_hi[k], hi[j][k]) for k in METRICS}
+            out_lo = lo[j] if out_lo is None else {k: min(out_lo[k], lo[j][k]) for k in keys}
+            out_hi = hi[j] if out_hi is None else {k: max(out_hi[k], hi[j][k]) for k in keys}
             out_best = best[j] if out_best is None or steady_key(best[j]) > steady_key(out_best) else out_best
         for s in succ[j]:
             c_lo, c_hi, c_best = add(lo[j], counts[s]), add(hi[j], counts[s]), add(best[j], counts[s])
-            lo[s] = c_lo if lo[s] is None else {k: min(lo[s][k], c_lo[k]) for k in METRICS}
-            hi[s] = c_hi if hi[s] is None else {k: max(hi[s][k], c_hi[k]) for k in METRICS}
+            lo[s] = c_lo if lo[s] is None else {k: min(lo[s][k], c_lo[k]) for k in keys}
+            hi[s] = c_hi if hi[s] is None else {k: max(hi[s][k], c_hi[k]) for k in keys}
             best[s] = c_best if best[s] is None or steady_key(c_best) > steady_key(best[s]) else best[s]
             npaths[s] += npaths[j]
     if out_best is None:

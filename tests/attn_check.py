@@ -51,6 +51,35 @@ def make_alibi(batch: int, nheads: int, per_batch: bool = True, device="cpu") ->
     return (torch.rand(*shape) * 0.3).to(device)
 
 
+RISING_PATTERNS = ["rising_far", "rising_near", "spikes"]
+
+
+def make_rising_maxima_qkv(pattern: str, dtype: torch.dtype, device="cpu", sq: int = 100, sk: int = 600,
+                           d: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (1, s, h=2 / h_k=1, d) whose row maxima keep rising as the kernels walk the K/V tiles right to
+    left (softmax.h: the references lag a row's maximum by up to a slack of 8 log2 units).  With the default
+    scale 1/sqrt(64), score(j) * scale ~ k[j, 0] + noise of ~1:
+
+    * ``rising_far``: +0.125 per key to the left, 23 log2 units per 128-key tile (a move on every tile);
+    * ``rising_near``: +0.0125 per key, 2.3 log2 units per 128 keys (the slack is crossed every few tiles,
+      the probabilities in between reach up to 2^8);
+    * ``spikes``: one key every 97 well above the rest, higher to the left.
+    """
+    assert pattern in RISING_PATTERNS, pattern
+    q, k, v = (torch.randn(1, s, h, d) for s, h in ((sq, 2), (sk, 1), (sk, 1)))
+    keys_from_right = torch.arange(sk - 1, -1, -1, dtype=torch.float32)  # 0 at the right-most key
+    q[..., 0] = 8.0
+    if pattern == "rising_far":
+        k[0, :, 0, 0] = keys_from_right * 0.125
+    elif pattern == "rising_near":
+        k[0, :, 0, 0] = keys_from_right * 0.0125
+    else:
+        k[0, :, 0, 0] = 0.0
+        spikes = torch.arange(50, sk, 97)
+        k[0, spikes, 0, 0] = 4.0 + keys_from_right[spikes] * 0.05
+    return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))
+
+
 def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().cpu()
 

@@ -3,6 +3,8 @@ the split path, no autograd history in a KV cache, one host read of index tensor
 device query, the pybind module, the build's arch flags.  Each test failed before its fix."""
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import pathlib
 import re
@@ -119,21 +121,32 @@ def test_forced_splits_with_too_many_rows_are_refused() -> None:
 
 # -- NaN: the same answer for every split count ----------------------------------------------------------
 
+@pytest.mark.parametrize("emulated", [False, True], ids=["host", "sm80_emulated"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_nan_propagates_whatever_the_split_count(num_splits: int) -> None:
+def test_nan_propagates_whatever_the_split_count(num_splits: int, emulated: bool) -> None:
     """Causal, sq 600 > sk 512: rows 0..87 see no key.  NaN in q at row 300 of head 1 and in k at key 400
     of K/V head 0: exactly the rows that see a NaN are NaN in O and LSE (rows >= 488 of head 0, row 300 of
     head 1); rows that see no key stay O = 0, LSE = +inf (row 50 of head 1 has NaN in q but sees nothing);
     every other row is finite.  Before the fix, NaN in q gave NaN unsplit but 0 split, and NaN in k gave
-    LSE +inf unsplit but a finite LSE split."""
-    skip_unless_head_dim_built("cpu", 64)
+    LSE +inf unsplit but a finite LSE split.  Also on the GPU body (warp emulator), whose row maxima skip a
+    NaN (fmaxf) and whose references lag (softmax.h): the NaN must still reach the row through exp2."""
+    if emulated:
+        info = flash_ext.build_info()
+        if not info["emulator"] or 64 not in info["emulator_head_dims"]:
+            pytest.skip("the warp emulator with head dim 64 is not built (FLASH_EXT_EMULATOR=1)")
+    else:
+        skip_unless_head_dim_built("cpu", 64)
     q = torch.randn(1, 600, 2, 64, dtype=torch.bfloat16)
     k = torch.randn(1, 512, 2, 64, dtype=torch.bfloat16)
     v = torch.randn(1, 512, 2, 64, dtype=torch.bfloat16)
     q[0, 300, 1] = float("nan")
     q[0, 50, 1] = float("nan")
     k[0, 400, 0] = float("nan")
-    out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=True, num_splits=num_splits, return_attn_probs=True)
+    with flash_ext.emulate("sm80") if emulated else contextlib.nullcontext():
+        out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=True, num_splits=num_splits,
+                                                return_attn_probs=True)
+    if emulated:
+        assert flash_ext.emulator_report()["findings"] == 0, flash_ext.emulator_report()
     rows = torch.arange(600)
     empty = rows < 88
     nan_rows = torch.stack([rows >= 488, rows == 300])                      # (h, sq)

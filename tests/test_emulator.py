@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import flash_ext
-from attn_check import check_close, make_alibi
+from attn_check import RISING_PATTERNS, check_close, make_alibi, make_rising_maxima_qkv
 
 pytestmark = pytest.mark.skipif(not flash_ext.build_info()["emulator"],
                                 reason="flash_ext was built without the warp emulator (FLASH_EXT_EMULATOR=1)")
@@ -143,6 +143,38 @@ def test_fixed_length_full(hd: int, flags: str, shape: tuple, dtype: torch.dtype
     variant = "even" if even else ("uneven" if flags in ("plain", "causal") or no_window else "general")
     variant = "decode" if sq <= 16 else variant
     run_fixed(hd, dtype, sq, sk, 3, 1, hd, variant, b=2, q_scale=4.0 if "softcap" in kw else 1.0, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The online softmax's lagging references (softmax.h): after a CTA's first K/V tile, each warp votes once per
+# tile on whether any of its rows rose past the slack, and rescales O only then.
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+@pytest.mark.parametrize("pattern", RISING_PATTERNS)
+@pytest.mark.parametrize("tile", ["even", "uneven", "decode"])
+def test_maxima_rising_along_the_walk(tile: str, pattern: str, dtype: torch.dtype) -> None:
+    """Row maxima rising as the kernel walks right to left (attn_check.make_rising_maxima_qkv) on the GPU
+    tiles: the result against the float64 reference, one vote per warp and tile after the first (counted by
+    the emulator), and on the slow ramp both outcomes (the references lag on most tiles and move on some)."""
+    hd = 64
+    require_head_dim(hd)
+    sq, sk = {"even": (128, 640), "uneven": (100, 600), "decode": (1, 600)}[tile]
+    q, k, v = make_rising_maxima_qkv(pattern, dtype, sq=sq, sk=sk, d=hd)
+    context = f"{tile} {pattern} {DT[dtype]}"
+    with flash_ext.emulate("sm80"):
+        out, lse, _ = flash_ext.flash_attn_func(q, k, v, num_splits=1, return_attn_probs=True)
+    r = assert_clean(context, variant=tile)
+    check_close(out, lse, q, k, v, context=context)
+    # Sm80Traits<head dim, block_m, block_n, warps, ...> of the kernel that ran.
+    kernel = next(name for name in r["kernels"] if name.startswith("Sm80Traits<"))
+    _, _, block_n, warps = (int(x) for x in kernel.split("<")[1].split(",")[:4])
+    s = r["stats"]
+    tiles = -(-sk // block_n)
+    assert s["vote"] == s["ctas"] * warps * (tiles - 1), (context, block_n, warps, s)
+    if pattern == "rising_far":  # 11.5 log2 units per 64-key tile: a move nearly every time
+        assert s["vote_true"] >= 0.8 * s["vote"], (context, s)
+    elif pattern == "rising_near":  # 1.15 per tile, 10.4 in all: a move or two per warp
+        assert 0 < s["vote_true"] <= 0.3 * s["vote"], (context, s)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import flash_ext
 from flash_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flash_ext.reference import attention_ref
 
-from attn_check import DTYPE_NAMES, check_close, make_alibi, make_qkv
+from attn_check import DTYPE_NAMES, check_close, make_alibi, make_qkv, make_rising_maxima_qkv
 from conftest import DEVICES, require_device
 
 SHAPES = [(1, 1), (1, 239), (3, 799), (113, 203), (127, 512), (128, 217), (256, 512), (512, 256), (1023, 1024),
@@ -350,25 +350,13 @@ def test_large_scores(device):
 @pytest.mark.parametrize("pattern", ["rising_far", "rising_near", "spikes"])
 def test_maxima_rising_along_the_walk(device, dtype, pattern):
     """Row maxima that keep rising as the kernel walks the K/V tiles (right to left): every tile far above
-    the last, a few units per tile (the CPU's reference moves only past a slack, host_isa.h), or one key per
+    the last, a few units per tile (the references move only past a slack, softmax.h), or one key per
     tile well above the rest, at a different column of each.  A rescale that is skipped or misapplied to O,
     the sums or the probabilities already written weighs the tiles wrongly against each other."""
     device = require_device(device)
     if device.type == "cuda" and dtype == torch.float32:
         pytest.skip("fp32 is a CPU-only dtype")
-    sq, sk, d = 100, 600, 64
-    q, k, v = make_qkv(1, sq, sk, 2, 1, d, torch.float32)
-    keys_from_right = torch.arange(sk - 1, -1, -1, dtype=torch.float32)  # 0 at the right-most key
-    q[..., 0] = 8.0  # with the default scale 1/8: score(j) * scale ~ k[j, 0] + noise of ~1
-    if pattern == "rising_far":  # ~23 log2 units per 128-key tile
-        k[0, :, 0, 0] = keys_from_right * 0.125
-    elif pattern == "rising_near":  # ~2.3 log2 units per 128-key tile: the slack is crossed every few tiles
-        k[0, :, 0, 0] = keys_from_right * 0.0125
-    else:
-        k[0, :, 0, 0] = 0.0
-        spikes = torch.arange(50, sk, 97)
-        k[0, spikes, 0, 0] = 4.0 + keys_from_right[spikes] * 0.05
-    q, k, v = (t.to(dtype=dtype, device=device) for t in (q, k, v))
+    q, k, v = make_rising_maxima_qkv(pattern, dtype, device)
     for causal in (False, True):
         out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_close(out, lse, q, k, v, causal=causal, context=f"{pattern}, causal={causal}")

@@ -76,7 +76,8 @@ def test_main_loop_is_found_and_counted_per_path(sass_loop, excerpt) -> None:
     # Steady path B0 B2 B3 B4 B5: every HMMA, both LDGSTS, fewest instructions.
     steady = {"instructions": 8 + 1 + 8 + 2 + 4, "hmma": 4, "fma": 2 * 2048 + 2048 + 1024, "ldsm": 4,
               "ldsm_bytes": 512 + 512 + 512 + 256, "lds_bytes": 64, "sts_bytes": 0, "ldgsts": 2,
-              "ldgsts_bytes": 1024, "ldg": 1, "ldg_bytes": 128, "bar": 2, "smem_bytes": 1792 + 64 + 1024}
+              "ldgsts_bytes": 1024, "ldg": 1, "ldg_bytes": 128, "bar": 2, "vote": 0,
+              "smem_bytes": 1792 + 64 + 1024}
     assert m.steady == steady
     assert m.fma_per_smem_byte == pytest.approx(7168 / 2880)
     # Per-metric ranges over the 4 paths.
@@ -127,3 +128,20 @@ def test_feed_rate_gate_rules(sass_loop) -> None:
     assert kr.feed_check(row(90, 64, 128, 24576)) is None
     assert "bar" in kr.feed_check(row(90, 64, 128, 24577))
     assert "no main loop" in kr.feed_check({"arch": 80, "hd": 64, "warps": 8, "bn": 64, "loop": None})
+
+
+def test_instruction_mix_of_the_steady_path(sass_loop, excerpt) -> None:
+    """scripts/sass_mix.py: the steady path B0 B2 B3 B4 B5 (23 instructions) by class, counted by hand:
+    DEPBAR, BAR, LDGDEPBAR, BAR -> bar 4; 4 LDSM; 4 HMMA; 2 LDGSTS; 3 ISETP -> cmpsel; 3 BRA; LDG and LDS ->
+    other 2; IADD3 -> int 1.  The @!PT LDS of B2 is never issued and counts nowhere."""
+    spec = importlib.util.spec_from_file_location("sass_mix", ROOT / "scripts" / "sass_mix.py")
+    mix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mix)
+    s = mix.loop_mix(excerpt[0])
+    counts = {c: s["c_" + c] for c in mix.CLASSES if s["c_" + c]}
+    assert counts == {"hmma": 4, "ldsm": 4, "ldgsts": 2, "bar": 4, "cmpsel": 3, "bra": 3, "other": 2, "int": 1}
+    assert sum(counts.values()) == s["instructions"] == 23
+    assert mix.opcode_class("MUFU.EX2") == "ex2" and mix.opcode_class("MUFU.RCP") == "mufu"
+    assert mix.opcode_class("FMNMX.FTZ") == "fmnmx" and mix.opcode_class("FSEL") == "cmpsel"
+    assert mix.opcode_class("VOTE.ANY") == "vote" and mix.opcode_class("STL") == "spill"
+    assert mix.opcode_class("IMAD.WIDE.U32") == "int" and mix.opcode_class("ULDC.64") == "int"

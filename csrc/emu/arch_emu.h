@@ -167,6 +167,9 @@ struct EmuSm80Arch {
   static float shfl_xor(float x, int lane_mask, std::source_location site = std::source_location::current()) {
     return emu::shfl_bfly(x, lane_mask, site);
   }
+  static bool warp_any(bool p, std::source_location site = std::source_location::current()) {
+    return emu::vote_any(p, site);
+  }
   // ex2.approx.ftz.f32 (what exp2f compiles to under --use_fast_math): modelled as the exact 2^x with the
   // result flushed to zero below the smallest normal.  The hardware's approximation error (about 2 ulp) is
   // not modelled.

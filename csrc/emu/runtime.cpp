@@ -18,6 +18,7 @@ namespace flash_ext::emu {
 void Stats::merge(Stats const& o) {
   ctas += o.ctas, threads += o.threads, barriers += o.barriers;
   ldmatrix += o.ldmatrix, mma += o.mma, shfl += o.shfl, cp_async += o.cp_async, smem_vector += o.smem_vector;
+  vote += o.vote, vote_true += o.vote_true;
   smem_clear += o.smem_clear, global_vector += o.global_vector, red_global += o.red_global;
   global_plain += o.global_plain;
   wavefronts += o.wavefronts, extra_wavefronts += o.extra_wavefronts, fiber_switches += o.fiber_switches;
@@ -84,6 +85,7 @@ std::string Report::json() const {
   Stats const& s = stats;
   os << "}, \"stats\": {\"ctas\": " << s.ctas << ", \"threads\": " << s.threads << ", \"barriers\": " << s.barriers
      << ", \"ldmatrix\": " << s.ldmatrix << ", \"mma\": " << s.mma << ", \"shfl\": " << s.shfl
+     << ", \"vote\": " << s.vote << ", \"vote_true\": " << s.vote_true
      << ", \"cp_async\": " << s.cp_async << ", \"smem_vector\": " << s.smem_vector << ", \"smem_clear\": "
      << s.smem_clear << ", \"global_vector\": " << s.global_vector << ", \"red_global\": " << s.red_global
      << ", \"global_plain\": " << s.global_plain
@@ -128,7 +130,7 @@ constexpr int kWarp = ptx::kWarp;
 constexpr size_t kStackBytes = 256 * 1024;
 
 enum class State : uint8_t { kRunnable, kAtEvent, kAtCollective, kAtBarrier, kExited };
-enum class Op : uint8_t { kNone, kLdsm, kLdsmT, kLdsmX2, kMma, kShfl, kCpAsync, kVecLoad, kVecStore, kClear };
+enum class Op : uint8_t { kNone, kLdsm, kLdsmT, kLdsmX2, kMma, kShfl, kVote, kCpAsync, kVecLoad, kVecStore, kClear };
 
 char const* op_name(Op op) {
   switch (op) {
@@ -137,6 +139,7 @@ char const* op_name(Op op) {
     case Op::kLdsmX2: return "ldmatrix.sync.aligned.m8n8.x2.shared.b16";
     case Op::kMma: return "mma.sync.aligned.m16n8k16";
     case Op::kShfl: return "shfl.sync.bfly.b32";
+    case Op::kVote: return "vote.sync.any.pred";
     case Op::kCpAsync: return "cp.async.cg.shared.global [16 B]";
     case Op::kVecLoad: return "ld.shared (vector move)";
     case Op::kVecStore: return "st.shared (vector move)";
@@ -179,6 +182,7 @@ struct Thread {
   float* mma_d[4] = {};
   float shfl_value = 0.f, shfl_result = 0.f;
   int shfl_mask = 0;
+  bool vote_value = false, vote_result = false;
   // cp.async: issued but not committed, and committed groups (oldest first).
   std::vector<Copy> open;
   std::vector<std::vector<Copy>> groups;
@@ -212,6 +216,7 @@ class Cta {
   void ldmatrix(Thread& t, int num, bool trans, void const* row, uint32_t* d[4]);
   void mma(Thread& t, ptx::Type16 type, ptx::MmaLane const& in, float* d[4]);
   float shfl(Thread& t, float value, int mask);
+  bool vote_any(Thread& t, bool value);
   void cp_async(Thread& t, void const* src, void* dst);
   void commit(Thread& t);
   void wait(Thread& t, int pending);
@@ -735,6 +740,12 @@ void Cta::execute_collective(Thread* const* lanes, Op op) {
     ptx::shfl_bfly(a, mask, d);
     for (int l = 0; l < kWarp; ++l) { lanes[l]->shfl_result = d[l]; }
     ++report_->stats.shfl;
+  } else if (op == Op::kVote) {
+    bool any = false;
+    for (int l = 0; l < kWarp; ++l) { any |= lanes[l]->vote_value; }
+    for (int l = 0; l < kWarp; ++l) { lanes[l]->vote_result = any; }
+    ++report_->stats.vote;
+    report_->stats.vote_true += any;
   }
 }
 
@@ -761,6 +772,13 @@ float Cta::shfl(Thread& t, float value, int mask) {
   t.shfl_value = value, t.shfl_mask = mask;
   park(t, State::kAtCollective);
   return t.shfl_result;
+}
+
+bool Cta::vote_any(Thread& t, bool value) {
+  t.op = Op::kVote;
+  t.vote_value = value;
+  park(t, State::kAtCollective);
+  return t.vote_result;
 }
 
 void Cta::cp_async(Thread& t, void const* src, void* dst) {
@@ -906,6 +924,12 @@ float shfl_bfly(float value, int lane_mask, Site site) {
   Thread& t = self();
   t.site_what = "shfl_xor", t.site = site;
   return cta_of(t).shfl(t, value, lane_mask);
+}
+
+bool vote_any(bool value, Site site) {
+  Thread& t = self();
+  t.site_what = "warp_any", t.site = site;
+  return cta_of(t).vote_any(t, value);
 }
 
 void cp_async_16(void const* global_src, void* shared_dst) {

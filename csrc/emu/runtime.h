@@ -5,7 +5,7 @@
 // Every instruction the kernel takes from the architecture policy (arch_emu.h) is an *event*: the fiber
 // posts its operands and switches back to the scheduler.  The scheduler advances the warps in lockstep, one
 // event per lane per step, and then executes what the lanes posted:
-//   - warp collectives (ldmatrix, mma, shfl) once all 32 lanes have arrived, by the PTX semantics (ptx.h);
+//   - warp collectives (ldmatrix, mma, shfl, vote) once all 32 lanes have arrived, by the PTX semantics (ptx.h);
 //   - per-thread shared-memory moves (cp.async, vector loads/stores) of the lanes at the same kind of event
 //     together, as one warp instruction, so their bank conflicts can be counted;
 //   - the CTA barrier once every live thread has arrived: that closes a barrier epoch.
@@ -55,6 +55,7 @@ inline constexpr char const* kCheckNames[kNumChecks] = {
 struct Stats {
   uint64_t ctas = 0, threads = 0, barriers = 0;
   uint64_t ldmatrix = 0, mma = 0, shfl = 0, cp_async = 0, smem_vector = 0, smem_clear = 0, global_vector = 0;
+  uint64_t vote = 0, vote_true = 0;  // vote.any executed, and how many of them were true on the warp
   uint64_t red_global = 0, global_plain = 0;  // red.global.add; plain scalar global loads and stores
   uint64_t wavefronts = 0, extra_wavefronts = 0;  // shared-memory wavefronts of ldmatrix, cp.async, vector moves
   uint64_t fiber_switches = 0;
@@ -125,6 +126,8 @@ void ldmatrix_x4(bool trans, void const* row_address, uint32_t& d0, uint32_t& d1
 void ldmatrix_x2(void const* row_address, uint32_t& d0, uint32_t& d1);  // non-transposed .x2
 void mma_m16n8k16(ptx::Type16 type, ptx::MmaLane const& operands, float& d0, float& d1, float& d2, float& d3);
 float shfl_bfly(float value, int lane_mask, Site site);
+// vote.sync.any.pred with the full mask: true on every lane when the predicate is true on any lane.
+bool vote_any(bool value, Site site);
 void cp_async_16(void const* global_src, void* shared_dst);
 void cp_async_commit(Site site);
 void cp_async_wait(int pending_groups, Site site);

@@ -22,6 +22,7 @@
 //   cp_async_fence(), cp_async_wait<N>()  commit the copies issued so far as a group / wait for all but N groups
 //   barrier()                             CTA-wide barrier with shared-memory ordering (__syncthreads)
 //   shfl_xor(x, lane_mask)                warp butterfly exchange of one fp32
+//   warp_any(p)                           true on every lane if p is true on any lane (vote.any)
 //   exp2(x), tanh(x)                      the approximate transcendental units (ex2.approx, tanh.approx)
 //   convert<To>(cutlass::Array<float, N>) fp32 -> fp16/bf16 round-to-nearest-even conversion (cvt.rn)
 //   clear_smem(tensor)                    zero-fill of a shared-memory partition with plain stores
@@ -65,6 +66,7 @@ struct Sm80Arch : PlainGlobalMemory {
   CUTE_DEVICE static void cp_async_wait() { cute::cp_async_wait<N>(); }
   CUTE_DEVICE static void barrier() { __syncthreads(); }
   CUTE_DEVICE static float shfl_xor(float x, int lane_mask) { return __shfl_xor_sync(0xffffffffu, x, lane_mask); }
+  CUTE_DEVICE static bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
   // ex2.approx under --use_fast_math: one MUFU op; exp2(-inf) = 0 as the softmax needs.
   CUTE_DEVICE static float exp2(float x) { return exp2f(x); }
   // Softcap's tanh as one MUFU op (sm_75+; relative error about 2^-11, below the 2^-8 of the bf16 scores

@@ -36,21 +36,36 @@ struct BlockInfo {
   CUTE_HOST_DEVICE index_t q_offset(index_t batch_stride, index_t row_stride, int bidb) const {
     return q_start >= 0 ? index_t(q_start) * row_stride : index_t(bidb) * batch_stride;
   }
-  // Element offset of K/V tile n_block (its first key) of this batch entry, without the head offset: the one
-  // place that knows about varlen offsets, cache batch indices, left padding and pages.
+  // Element offset of this batch entry's first K/V row, without the head offset: varlen offsets and cache
+  // batch indices.  0 for a paged cache, whose tiles are addressed by page (kv_tile_offset_in_seq).
   template <class Mem = PlainGlobalMemory>
-  CUTE_HOST_DEVICE index_t kv_tile_offset(FwdParams const& params, int bidb, int n_block, int block_n,
-                                          index_t batch_stride, index_t row_stride) const {
+  CUTE_HOST_DEVICE index_t kv_seq_offset(FwdParams const& params, int bidb, index_t batch_stride,
+                                         index_t row_stride) const {
+    if (params.block_table != nullptr) { return 0; }
+    return k_start >= 0 ? index_t(k_start) * row_stride
+                        : index_t(params.kv_batch_idx ? Mem::load_global(params.kv_batch_idx + bidb) : bidb) * batch_stride;
+  }
+  // Element offset of K/V tile n_block (its first key) from kv_seq_offset's row: left padding and pages.
+  // The forward adds kv_seq_offset to its K/V pointers once, before its loop over tiles, rather than
+  // evaluating it (a load of the batch index among it) for every tile.
+  template <class Mem = PlainGlobalMemory>
+  CUTE_HOST_DEVICE index_t kv_tile_offset_in_seq(FwdParams const& params, int bidb, int n_block, int block_n,
+                                                 index_t batch_stride, index_t row_stride) const {
     int const row = k_row0 + n_block * block_n;
     if (params.block_table != nullptr) {
       int const page =
           Mem::load_global(params.block_table + index_t(bidb) * params.block_table_batch_stride + row / params.page_size);
       return index_t(page) * batch_stride + index_t(row % params.page_size) * row_stride;
     }
-    index_t const base = k_start >= 0 ? index_t(k_start) * row_stride
-                                      : index_t(params.kv_batch_idx ? Mem::load_global(params.kv_batch_idx + bidb) : bidb) *
-                                            batch_stride;
-    return base + index_t(row) * row_stride;
+    return index_t(row) * row_stride;
+  }
+  // Element offset of K/V tile n_block of this batch entry, without the head offset: the one place that
+  // knows about varlen offsets, cache batch indices, left padding and pages.
+  template <class Mem = PlainGlobalMemory>
+  CUTE_HOST_DEVICE index_t kv_tile_offset(FwdParams const& params, int bidb, int n_block, int block_n,
+                                          index_t batch_stride, index_t row_stride) const {
+    return kv_seq_offset<Mem>(params, bidb, batch_stride, row_stride) +
+           kv_tile_offset_in_seq<Mem>(params, bidb, n_block, block_n, batch_stride, row_stride);
   }
   // LSE is (b, h, seqlen_q) for fixed-length batches and (h, total_q) for varlen.
   CUTE_HOST_DEVICE index_t lse_offset(FwdParams const& params, int bidb, int bidh) const {
@@ -67,25 +82,26 @@ struct BlockInfo {
   CUTE_HOST_DEVICE int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
 };
 
-// Window bounds as the kernel uses them; `has_right`/`has_left` say whether the side is bounded.
+// Window bounds as the kernel uses them; `has_right`/`has_left` say whether the side is bounded.  Read from
+// the kernel parameters (the constant bank on the GPU) where used, not copied into registers that would stay
+// live across the main loop (the head-dim-256 forward kernels spilled with the copies).
 template <class Flags>
 struct Window {
-  bool has_left, has_right;
-  int left, right;
-
-  CUTE_HOST_DEVICE Window(FwdParams const& params, Flags const& flags)
-      : has_left(flags.local && params.window_left >= 0),
-        has_right(flags.causal || (flags.local && params.window_right >= 0)),
-        left(params.window_left),
-        right(flags.causal ? 0 : params.window_right) {}
+  FwdParams const& params;
+  Flags const& flags;
+  CUTE_HOST_DEVICE Window(FwdParams const& params, Flags const& flags) : params(params), flags(flags) {}
+  CUTE_HOST_DEVICE bool has_left() const { return flags.local && params.window_left >= 0; }
+  CUTE_HOST_DEVICE bool has_right() const { return flags.causal || (flags.local && params.window_right >= 0); }
+  CUTE_HOST_DEVICE int left() const { return params.window_left; }
+  CUTE_HOST_DEVICE int right() const { return flags.causal ? 0 : params.window_right; }
 };
 
 template <int kBlockM, int kBlockN, class Flags>
 CUTE_HOST_DEVICE int n_block_max(BlockInfo const& binfo, Window<Flags> const& w, int m_block) {
   int n_max = ceil_div(binfo.seqlen_k, kBlockN);
-  if (w.has_right) {
+  if (w.has_right()) {
     int const last_row = cute::min((m_block + 1) * kBlockM, binfo.seqlen_q) - 1;
-    int const end_col = binfo.diagonal(last_row) + w.right + 1;  // one past the last visible key
+    int const end_col = binfo.diagonal(last_row) + w.right() + 1;  // one past the last visible key
     n_max = cute::min(n_max, end_col <= 0 ? 0 : ceil_div(end_col, kBlockN));
   }
   return n_max;
@@ -103,8 +119,8 @@ CUTE_HOST_DEVICE void restrict_to_split(BlockInfo const& binfo, int num_splits, 
 
 template <int kBlockM, int kBlockN, class Flags>
 CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, Window<Flags> const& w, int m_block) {
-  if (!w.has_left) { return 0; }
-  int const first_col = binfo.diagonal(m_block * kBlockM) - w.left;
+  if (!w.has_left()) { return 0; }
+  int const first_col = binfo.diagonal(m_block * kBlockM) - w.left();
   return first_col <= 0 ? 0 : first_col / kBlockN;
 }
 
@@ -115,17 +131,17 @@ CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, Window<Flags> const& w,
 // may be empty (keys left of a local window's reach, or a sequence without queries): dK = dV = 0 there.
 template <int kBlockM, int kBlockN, class Flags>
 CUTE_HOST_DEVICE int m_block_min(BlockInfo const& binfo, Window<Flags> const& w, int n_block) {
-  if (!w.has_right) { return 0; }
-  int const first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q) - w.right;
+  if (!w.has_right()) { return 0; }
+  int const first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q) - w.right();
   return first_row <= 0 ? 0 : first_row / kBlockM;
 }
 
 template <int kBlockM, int kBlockN, class Flags>
 CUTE_HOST_DEVICE int m_block_max(BlockInfo const& binfo, Window<Flags> const& w, int n_block) {
   int m_max = ceil_div(binfo.seqlen_q, kBlockM);
-  if (w.has_left) {
+  if (w.has_left()) {
     int const last_col = cute::min((n_block + 1) * kBlockN, binfo.seqlen_k) - 1;
-    int const last_row = last_col - (binfo.seqlen_k - binfo.seqlen_q) + w.left;
+    int const last_row = last_col - (binfo.seqlen_k - binfo.seqlen_q) + w.left();
     m_max = cute::min(m_max, last_row < 0 ? 0 : last_row / kBlockM + 1);
   }
   return m_max;
@@ -138,8 +154,8 @@ CUTE_HOST_DEVICE bool tile_fully_visible(BlockInfo const& binfo, Window<Flags> c
                                          int n_block) {
   int const row0 = m_block * kBlockM, col0 = n_block * kBlockN;
   bool visible = col0 + kBlockN <= binfo.seqlen_k;
-  if (w.has_right) { visible = visible && col0 + kBlockN - 1 <= binfo.diagonal(row0) + w.right; }
-  if (w.has_left) { visible = visible && col0 >= binfo.diagonal(row0 + kBlockM - 1) - w.left; }
+  if (w.has_right()) { visible = visible && col0 + kBlockN - 1 <= binfo.diagonal(row0) + w.right(); }
+  if (w.has_left()) { visible = visible && col0 >= binfo.diagonal(row0 + kBlockM - 1) - w.left(); }
   return visible;
 }
 

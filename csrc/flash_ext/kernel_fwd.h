@@ -91,17 +91,22 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);                                          // (CPY,CPY_N,CPY_K)
   Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);                                          // (CPY,CPY_N,CPY_K)
   // K/V tile n as this thread's copy partition.  Each tile is addressed from its own base (block_info.h),
-  // so contiguous, varlen, batch-indexed and paged caches share one code path.
-  Element const* const k_head = static_cast<Element const*>(params.k_ptr) + params.k_head_stride * bidh_kv;
-  Element const* const v_head = static_cast<Element const*>(params.v_ptr) + params.v_head_stride * bidh_kv;
-  auto kv_tile = [&](Element const* head_base, index_t batch_stride, index_t row_stride, int n) {
-    Element const* ptr = head_base + binfo.kv_tile_offset<Traits>(params, bidb, n, kBlockN, batch_stride, row_stride);
+  // so contiguous, varlen, batch-indexed and paged caches share one code path; the batch entry's offset is
+  // added once, here (in every tile's address it cost 13 instructions per iteration and a register that
+  // two head-dim-128 kernels did not have).
+  Element const* const k_seq = static_cast<Element const*>(params.k_ptr) + params.k_head_stride * bidh_kv +
+                              binfo.kv_seq_offset<Traits>(params, bidb, params.k_batch_stride, params.k_row_stride);
+  Element const* const v_seq = static_cast<Element const*>(params.v_ptr) + params.v_head_stride * bidh_kv +
+                              binfo.kv_seq_offset<Traits>(params, bidb, params.v_batch_stride, params.v_row_stride);
+  auto kv_tile = [&](Element const* seq_base, index_t batch_stride, index_t row_stride, int n) {
+    Element const* ptr =
+        seq_base + binfo.kv_tile_offset_in_seq<Traits>(params, bidb, n, kBlockN, batch_stride, row_stride);
     Tensor gKV = make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                                              make_stride(row_stride, _1{})));  // (BLK_N,HEAD_DIM)
     return gmem_thr_copy_QKV.partition_S(gKV);                                                // (CPY,CPY_N,CPY_K)
   };
-  auto tKgK = [&](int n) { return kv_tile(k_head, params.k_batch_stride, params.k_row_stride, n); };
-  auto tVgV = [&](int n) { return kv_tile(v_head, params.v_batch_stride, params.v_row_stride, n); };
+  auto tKgK = [&](int n) { return kv_tile(k_seq, params.k_batch_stride, params.k_row_stride, n); };
+  auto tVgV = [&](int n) { return kv_tile(v_seq, params.v_batch_stride, params.v_row_stride, n); };
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));          // (CPY,CPY_M,CPY_K) -> (m,k)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));        // (CPY,CPY_N,CPY_K) -> (n,k)
 
@@ -133,12 +138,6 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
             params.d, flags.even_mn, flags.even_k);
   Traits::cp_async_fence();
 
-  float alibi_slope = 0.f;
-  if (flags.alibi) {
-    alibi_slope =
-        Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) / params.score_scale;
-  }
-  ScoreMask<Flags> const mask{binfo, window, alibi_slope};
   using AccSLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
   OnlineSoftmax<Traits, kNRows> softmax;
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
@@ -149,6 +148,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   // S = Q.K^T starts from zero: cleared registers on the GPU; a whole-tile GEMM (the host) starts its own
   // tiles from zero instead of writing a cleared tile to memory and reading it straight back.
   constexpr auto kZeroS = cute::bool_constant<TileGemm<typename Traits::TiledMma>::value>{};
+  bool first_tile = true;  // carried, not n_block == n_max - 1: n_max need not stay live across the loop
   for (; n_block >= n_min; --n_block) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
     if constexpr (!kZeroS) { clear(acc_s); }
@@ -164,7 +164,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::cp_async_fence();
 
     if constexpr (Traits::kQInRegs) {
-      if (n_block == n_max - 1) {  // Q landed with the first K tile (same cp.async group)
+      if (first_tile) {  // Q landed with the first K tile (same cp.async group)
         copy(smem_tiled_copy_Q, tSsQ, smem_thr_copy_Q.retile_D(tSrQ));
       }
       gemm_rs(acc_s, tSrQ, tSrK, tSsK, tiled_mma, smem_tiled_copy_K, smem_thr_copy_K, kZeroS);
@@ -175,7 +175,16 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     if (flags.softcap) { apply_softcap<Traits>(acc_s, params.softcap_prescale); }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
-    mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
+    {
+      // The ALiBi slope is read per tile (an L1 hit) rather than held across the loop: with the lagging
+      // softmax the head-dim-256 kernels had no register left for it (they spilled 8-16 bytes).
+      float const alibi_slope =
+          flags.alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) /
+                            params.score_scale
+                      : 0.f;
+      ScoreMask<Flags> const mask{binfo, window, alibi_slope};
+      mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
+    }
 
     // V(n_block) has landed; every thread is done reading sK, so K(n_block - 1) may overwrite it and
     // stream in during the softmax and P.V of this tile.
@@ -187,7 +196,8 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
       Traits::cp_async_fence();
     }
 
-    softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, n_block == n_max - 1);
+    softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, first_tile);
+    first_tile = false;
     // Dropout zeroes probabilities after the row sums took them in: the LSE is that of the undropped softmax.
     // The mask's Philox rounds are issued here, after Q.K^T, not beside it: interleaved with the GEMM their
     // state was live next to the K fragments and the hd 128 kernel spilled on sm_90.

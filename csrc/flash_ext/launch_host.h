@@ -15,6 +15,9 @@
 
 namespace flash_ext {
 
+// One online-softmax algorithm: the host's vector step lags its references by the GPU body's slack.
+static_assert(kHostSoftmaxSlack == kSoftmaxSlack);
+
 // Host tiles: 128 query rows amortise each K/V tile's copy into operand fragments (measured 37 -> 46 GF/s
 // per core at d=64 vs 64 rows).  Everything a "CTA" touches (~100-400 KB) stays in L2.  A problem of at
 // most 16 query rows (decode: one token, or the query heads of one K/V group run as rows) gets a 16-row

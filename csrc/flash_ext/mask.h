@@ -41,8 +41,8 @@ struct ScoreMask {
         int const diag = binfo.diagonal(row);
         if (apply_bias) { acc(i, j) -= alibi_slope * float(diag > col ? diag - col : col - diag); }
         if (need_mask) {
-          bool const hidden = col >= binfo.seqlen_k || (window.has_right && col > diag + window.right) ||
-                              (window.has_left && col < diag - window.left);
+          bool const hidden = col >= binfo.seqlen_k || (window.has_right() && col > diag + window.right()) ||
+                              (window.has_left() && col < diag - window.left());
           if (hidden) { acc(i, j) = -INFINITY; }
         }
       }

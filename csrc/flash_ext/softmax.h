@@ -1,12 +1,19 @@
-// Online softmax: the state that survives from one K/V tile to the next is, per query row, the running
-// maximum of the scores seen so far (row_max), the running sum of exp(score - row_max) (row_sum), and the
-// un-normalised output acc_o.  When a new tile raises a row's maximum, the old sum and acc_o rows are
-// rescaled by exp(old_max - new_max) so that every term is relative to the same maximum.  Scores are kept
-// in the kernel's domain x; exp2(x * scale_log2 - max * scale_log2) == exp(score - max_score).  The CPU
-// backend's vector step (traits_host.h) keeps a lagging maximum instead: a score the row has seen, moved only
-// when a tile exceeds it by more than 2^8 in probability (host_isa.h, kHostSoftmaxSlack), so that most tiles
-// need no maxima pass and no rescale; every term stays relative to the same value, which is what finalize()
-// relies on.
+// Online softmax: the state that survives from one K/V tile to the next is, per query row, a reference
+// maximum (row_max), the running sum of exp(score - row_max) (row_sum), and the un-normalised output acc_o,
+// all relative to that reference.  When a tile's scores rise far enough above a row's reference, the old sum
+// and acc_o rows are rescaled by exp(old_ref - new_ref) so that every term is relative to the same value.
+// Scores are kept in the kernel's domain x; exp2(x * scale_log2 - ref * scale_log2) == exp(score - ref).
+//
+// The reference lags: it moves only when a tile's maximum exceeds it by more than kSoftmaxSlack in the exp2
+// domain, to that maximum (then the running one); rows that move along with another row of their warp go to
+// the larger of their reference and the tile's maximum.  Either way it stays a score the row has seen, within
+// the slack of its running maximum, so the probabilities are at most 2^8 = 256; and once the first tiles have
+// set it, most tiles leave acc_o alone.  The rescale is d / 4 multiplies per row and thread at head dim
+// d, as many as the tile's exponentials at d = 128 with 32-key tiles.  O / row_sum and the LSE
+// ref * scale + log(row_sum) do not depend on which reference was used, up to rounding: 256 fits any fp16 /
+// bf16 probability and fp32 sum.  The GPU decides per warp (one vote: the rescale is a uniform branch); the
+// CPU backend's vector step (traits_host.h) decides per vector of rows with the same slack
+// (host_isa.h, kHostSoftmaxSlack).
 #pragma once
 
 #include <cmath>
@@ -15,8 +22,14 @@
 
 namespace flash_ext {
 
+// How far (log2 units) a tile's maximum may exceed a row's reference before the reference moves.
+inline constexpr float kSoftmaxSlack = 8.f;
+
+// fmaxf, not `a > b ? a : b`: the GPU does it in one FMNMX where the comparison takes an FSETP and an FSEL,
+// once per score.  fmaxf skips a NaN operand; a NaN score still reaches the output through its own exp2
+// (NaN) in the row sum and in P.V, so a row that sees a NaN key ends NaN either way (finalize).
 struct MaxOp {
-  CUTE_HOST_DEVICE float operator()(float a, float b) const { return a > b ? a : b; }
+  CUTE_HOST_DEVICE float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 struct SumOp {
   CUTE_HOST_DEVICE float operator()(float a, float b) const { return a + b; }
@@ -34,8 +47,8 @@ struct OnlineSoftmax {
     return m == -INFINITY ? 0.f : m * scale_log2;
   }
 
-  // scores (rows, cols) in the kernel domain, overwritten with exp(score - row_max); acc_o (rows, cols)
-  // rescaled to the new maximum.  `first` is the first tile this CTA processes.
+  // scores (rows, cols) in the kernel domain, overwritten with exp(score - reference); acc_o (rows, cols)
+  // and row_sum rescaled when a reference moves.  `first` is the first tile this CTA processes.
   template <class Scores, class AccO>
   CUTE_HOST_DEVICE void rescale_o(Scores& scores, AccO& acc_o, float scale_log2, bool first) {
     using namespace cute;
@@ -46,27 +59,51 @@ struct OnlineSoftmax {
       Traits::softmax_rescale_o(row_max, row_sum, scores, acc_o, scale_log2, first);
       return;
     }
-    CUTE_UNROLL
-    for (int i = 0; i < kNRows; ++i) {
-      float m = first ? -INFINITY : row_max(i);
+    // The first tile sets each row's reference to the row's maximum.  Later tiles measure how far they rise
+    // above it; past the slack on any row of the warp, every row moves.  IEEE arithmetic gives the edge
+    // cases: a reference of -inf (only masked keys so far) gives +inf (moves) on any visible key and NaN
+    // (skipped by fmaxf: no move) on none; a fully masked tile gives -inf.
+    auto tile_row_max = [&](int i) {
+      float m = -INFINITY;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(scores); ++j) { m = MaxOp{}(m, scores(i, j)); }
-      m = Traits::row_allreduce(m, MaxOp{});
-      float const m_scaled = safe_max_scaled(m, scale_log2);
-      if (!first) {
-        // A row with no visible key so far has row_max -inf and a zero history: the correction is
-        // exp2(-inf) = 0, never inf * 0.  (m >= row_max, so m is finite whenever row_max is.)
-        float const correction = Traits::exp2(row_max(i) * scale_log2 - m_scaled);
-        row_sum(i) *= correction;
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(acc_o); ++j) { acc_o(i, j) *= correction; }
-      }
+      return Traits::row_allreduce(m, MaxOp{});
+    };
+    auto move_row = [&](int i, float tile_m) {
+      float const m = MaxOp{}(row_max(i), tile_m);
+      // A row with no visible key so far has row_max -inf and a zero history: the correction is
+      // exp2(-inf) = 0, never inf * 0.  (m >= row_max, so m is finite whenever row_max is.)
+      float const correction = Traits::exp2(row_max(i) * scale_log2 - safe_max_scaled(m, scale_log2));
+      row_sum(i) *= correction;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(acc_o); ++j) { acc_o(i, j) *= correction; }
       row_max(i) = m;
+    };
+    float rise = -INFINITY;
+    CUTE_UNROLL
+    for (int i = 0; i < kNRows; ++i) {
+      float const m = tile_row_max(i);
+      if (first) {
+        row_max(i) = m;
+      } else {
+        rise = MaxOp{}(rise, m - row_max(i));
+      }
+    }
+    // Warp-uniform, so the rescale is a branch, not predicated lane by lane.  Its rows' maxima are taken
+    // again rather than kept from above: a rare path, where the kept copies would be live registers on the
+    // common one.
+    if (!first && Traits::warp_any(rise * scale_log2 > kSoftmaxSlack)) {
+      CUTE_UNROLL
+      for (int i = 0; i < kNRows; ++i) { move_row(i, tile_row_max(i)); }
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kNRows; ++i) {
+      float const ref_scaled = safe_max_scaled(row_max(i), scale_log2);
       float sum = first ? 0.f : row_sum(i);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(scores); ++j) {
         // One FFMA + EX2 per score on the GPU: the subtraction is folded into the multiply-add.
-        scores(i, j) = Traits::exp2(scores(i, j) * scale_log2 - m_scaled);
+        scores(i, j) = Traits::exp2(scores(i, j) * scale_log2 - ref_scaled);
         sum += scores(i, j);
       }
       row_sum(i) = sum;

@@ -83,6 +83,8 @@ struct Sm80Traits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 32> 
     x = op(x, Arch::shfl_xor(x, 1));
     return x;
   }
+  // Whether p holds on any lane of the warp; the same answer on every lane (softmax.h branches on it).
+  CUTE_HOST_DEVICE static bool warp_any(bool p) { return Arch::warp_any(p); }
 };
 
 // The forward instantiations of one (head dim, dtype) file: the traits of each static variant (dispatch.h's

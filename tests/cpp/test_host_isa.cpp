@@ -269,10 +269,14 @@ void check_softmax(HostKernels const& k) {
 }
 
 // softmax.h's generic step, instantiated with scalar traits (no host hook), on the same column-major tiles.
+// All rows are one "warp": kEager makes every vote true, so every tile moves every row's reference to its
+// running maximum (the textbook step the host's is compared with); otherwise the references lag as on the GPU.
+template <bool kEager>
 struct ScalarSoftmaxTraits {
   static float exp2(float x) { return host_exp2(x); }
   template <class Op>
   static float row_allreduce(float x, Op) { return x; }
+  static bool warp_any(bool p) { return kEager || p; }
 };
 
 // The host step against softmax.h's rescale_o: the same probabilities, sums and O once the reference's
@@ -285,7 +289,7 @@ void check_softmax_matches_generic(HostKernels const& k) {
   std::vector<float> s(kRows * kCols), o(kRows * kOCols), s_gen, o_gen;
   for (auto& x : o) { x = nd(g_rng); }
   o_gen = o;
-  OnlineSoftmax<ScalarSoftmaxTraits, kRows> gen;
+  OnlineSoftmax<ScalarSoftmaxTraits<true>, kRows> gen;
   std::vector<float> mx(kRows), sm(kRows), prev(kRows);
   float const scale = 0.125f * 1.4426950f;
   double worst = 0;
@@ -324,6 +328,70 @@ void check_softmax_matches_generic(HostKernels const& k) {
   CHECK(worst < 4e-6, "%s softmax differs from softmax.h's rescale_o by %.3g (relative)", k.name, worst);
   std::printf("  softmax vs softmax.h's rescale_o: max relative difference %.2g (%d references kept below the maximum)\n",
               worst, kept);
+}
+
+// softmax.h's lagging reference (the GPU's step, one vote for all rows here) against its eager form: each
+// reference is -inf exactly when the row's maximum is, else at most kSoftmaxSlack (log2 units) below it; the
+// probabilities, sums and O are the eager ones times exp2((max - ref) * scale); tiles that rise less than the
+// slack keep every reference, and one row rising past it moves them all (each to the larger of its reference
+// and the tile's maximum, not always its running maximum: still within the slack).  Generic code: run once.
+void check_generic_lagging_reference() {
+  using namespace cute;
+  constexpr int kRows = 16, kCols = 64, kOCols = 32;
+  std::normal_distribution<float> nd;
+  std::vector<float> s(kRows * kCols), o(kRows * kOCols), s_lag, o_lag;
+  for (auto& x : o) { x = nd(g_rng); }
+  // Row 9 sees no key before step 2, so its history is zero (in the kernel P = exp2(-inf) = 0 keeps the cleared
+  // O at 0); a made-up history there would be wiped by the eager step's correction of 0 and kept by the lag.
+  for (int j = 0; j < kOCols; ++j) { o[9 + j * kRows] = 0.f; }
+  o_lag = o;
+  OnlineSoftmax<ScalarSoftmaxTraits<true>, kRows> eager;
+  OnlineSoftmax<ScalarSoftmaxTraits<false>, kRows> lag;
+  float const scale = 0.125f * 1.4426950f;
+  double worst = 0;
+  int lagged_steps = 0, moved_steps = 0;
+  for (int step = 0; step < 6; ++step) {
+    for (int i = 0; i < kRows * kCols; ++i) { s[i] = nd(g_rng) * 2.f + float(step); }  // rises ~0.18 log2 a step
+    for (int n = 0; n < kCols; n += 3) { s[5 + n * kRows] = -INFINITY; }                // masked keys
+    if (step < 2) {
+      for (int n = 0; n < kCols; ++n) { s[9 + n * kRows] = -INFINITY; }  // a row that sees nothing yet
+    }
+    if (step == 4) { s[7 + 11 * kRows] = 120.f; }  // one score ~19 log2 units up: every reference moves
+    s_lag = s;
+    std::vector<float> ref_before(kRows);
+    for (int m = 0; m < kRows; ++m) { ref_before[m] = step == 0 ? -INFINITY : lag.row_max(m); }
+    auto scores = make_tensor(s.data(), make_layout(Shape<Int<kRows>, Int<kCols>>{}, LayoutLeft{}));
+    auto acc_o = make_tensor(o.data(), make_layout(Shape<Int<kRows>, Int<kOCols>>{}, LayoutLeft{}));
+    auto scores_lag = make_tensor(s_lag.data(), make_layout(Shape<Int<kRows>, Int<kCols>>{}, LayoutLeft{}));
+    auto acc_o_lag = make_tensor(o_lag.data(), make_layout(Shape<Int<kRows>, Int<kOCols>>{}, LayoutLeft{}));
+    eager.rescale_o(scores, acc_o, scale, step == 0);
+    lag.rescale_o(scores_lag, acc_o_lag, scale, step == 0);
+    int moved = 0, below = 0;
+    for (int m = 0; m < kRows; ++m) {
+      float const mx = eager.row_max(m), ref = lag.row_max(m);
+      CHECK(std::isinf(mx) == std::isinf(ref) && ref <= mx && (std::isinf(mx) || (double(mx) - ref) * scale <= kSoftmaxSlack + 1e-4),
+            "lagging softmax, step %d row %d: reference %g, maximum %g", step, m, ref, mx);
+      moved += ref != ref_before[m] && !std::isinf(ref_before[m]);
+      below += ref < mx;
+      double const f = std::isinf(mx) ? 1.0 : std::exp2(double(mx) * scale - double(ref) * scale);
+      auto rel = [](double x, double y) { return x == y ? 0.0 : std::fabs(x - y) / std::max(std::fabs(y), 1e-30); };
+      for (int n = 0; n < kCols; ++n) { worst = std::max(worst, rel(s_lag[m + n * kRows], f * s[m + n * kRows])); }
+      for (int j = 0; j < kOCols; ++j) { worst = std::max(worst, rel(o_lag[m + j * kRows], f * o[m + j * kRows])); }
+      worst = std::max(worst, rel(lag.row_sum(m), f * eager.row_sum(m)));
+    }
+    if (step > 0 && step != 4) {
+      CHECK(moved == 0 || step == 2, "lagging softmax, step %d: %d references moved on a small rise", step, moved);
+      lagged_steps += below > 0 && moved == 0;
+    }
+    if (step == 4) {  // the vote moves every row: to its maximum over the old reference and this tile
+      CHECK(lag.row_max(7) == 120.f && moved > kRows / 2, "lagging softmax: row 7's jump (reference %g) moved %d references",
+            lag.row_max(7), moved);
+      ++moved_steps;
+    }
+  }
+  CHECK(lagged_steps >= 2 && moved_steps == 1, "lagging softmax: %d lagging steps, %d moving", lagged_steps, moved_steps);
+  CHECK(worst < 1e-5, "lagging softmax differs from the eager step by %.3g (relative) beyond exp2((max - ref) * scale)", worst);
+  std::printf("  generic softmax, lagging vs eager: max relative difference %.2g\n", worst);
 }
 
 void check_convert(HostKernels const& k) {
@@ -365,6 +433,7 @@ void check_level(HostKernels const& k) {
 }  // namespace
 
 int main() {
+  check_generic_lagging_reference();
   for (int i = 0; i < kNumHostIsas; ++i) {
     HostIsa const isa = HostIsa(i);
     char const* why = host_isa_unavailable_reason(isa);

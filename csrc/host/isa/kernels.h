@@ -86,7 +86,9 @@ FLASH_EXT_INLINE vf vload(float const* p) {
   return v;
 }
 FLASH_EXT_INLINE void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
-FLASH_EXT_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }  // MaxOp's rule, lane by lane
+// maxps's rule, lane by lane: a NaN in b comes out (MaxOp's fmaxf would skip it); either way a NaN never
+// moves a softmax reference (the comparison with the slack is false) and exp2 carries it into the sum.
+FLASH_EXT_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 
 // Round to nearest even; NaN becomes 0x7fff (cutlass::bfloat16_t's rule), infinities stay.  The bf16 bits
