@@ -15,8 +15,10 @@
 #   decode   one query row, GQA, KV cache 4k-128k, split-KV
 #   device_smoke  when the main extension was prebuilt: the same tree built here, by this image's compilers
 #            (a user's path), in the background while the tests run, then the quick sanitizer cases on it
-#   baseline the forward and decode on a build with FLASH_EXT_GPU_FWD_WARPS=8 (the 128 x 64, 8-warp tiles
-#            before #14's 4-warp and decode tiles), prebuilt or built in the background while the tests run
+#   baseline the forward and decode on another build, side by side with the main one: whatever
+#            .carry/prebuilt_base/ holds (say what in .carry/prebuilt_base/WHAT, printed in the summary: e.g.
+#            the commit before a kernel change), else FLASH_EXT_GPU_FWD_WARPS=8 (the 128 x 64, 8-warp tiles before
+#            #14's 4-warp and decode tiles) built in the background while the tests run
 #   memcheck / racecheck   compute-sanitizer on the quick cases
 #   dropout  forward with dropout against SDPA with dropout
 #   tests_full  the full forward/backward grid on the GPU, for whatever time is left
@@ -152,6 +154,7 @@ step tests_full 400 $PY -m pytest -q -m "cuda and full" -p no:cacheprovider -rfE
 {
   echo "== summary ($COMMIT, $(sed -n 2p "$WORK/env.txt" 2>/dev/null), $(( $(date +%s) - start )) s)"
   for s in "${order[@]}"; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
+  [ -f .carry/prebuilt_base/WHAT ] && echo "baseline build: $(head -c 300 .carry/prebuilt_base/WHAT)"
   grep -h -o '"gpu_fwd_warps": *[^,]*' "$WORK"/bench.json "$WORK"/tiles_old.json 2>/dev/null
   grep -E "passed|failed|error" "$WORK/tests.log" | tail -n 3
   grep -E "^(FAILED|ERROR)" "$WORK/tests.log" | head -n 25
