@@ -154,6 +154,7 @@ step tests_full 400 $PY -m pytest -q -m "cuda and full" -p no:cacheprovider -rfE
 {
   echo "== summary ($COMMIT, $(sed -n 2p "$WORK/env.txt" 2>/dev/null), $(( $(date +%s) - start )) s)"
   for s in "${order[@]}"; do printf '%-10s %s\n' "$s" "${status[$s]:-not run}"; done
+  [ -f .carry/prebuilt/WHAT ] && echo "main build: $(head -c 300 .carry/prebuilt/WHAT)"
   [ -f .carry/prebuilt_base/WHAT ] && echo "baseline build: $(head -c 300 .carry/prebuilt_base/WHAT)"
   grep -h -o '"gpu_fwd_warps": *[^,]*' "$WORK"/bench.json "$WORK"/tiles_old.json 2>/dev/null
   grep -E "passed|failed|error" "$WORK/tests.log" | tail -n 3
