@@ -12,7 +12,7 @@ import torch
 
 import flash_ext
 from attn_check import check_close, make_alibi, make_qkv
-from conftest import DEVICES, require_device
+from conftest import DEVICES, require_device, skip_unless_head_dim_built
 
 heuristic = flash_ext._C.num_splits_heuristic
 
@@ -114,6 +114,7 @@ def test_heuristic_used_by_default_and_reported() -> None:
 def test_cpu_decode_splits_follow_l2_and_layout() -> None:
     """The L2 rule counts the bytes of one key over all K/V heads; heads that do not lie side by side (a
     (b, h_k, s, d) cache seen through a transpose) are not warmed, so only the occupancy heuristic applies."""
+    skip_unless_head_dim_built("cpu", 128)
     threads = torch.get_num_threads()
     q = torch.randn(1, 1, 16, 128, dtype=torch.bfloat16)
 

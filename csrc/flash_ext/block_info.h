@@ -82,9 +82,11 @@ struct BlockInfo {
   CUTE_HOST_DEVICE int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
 };
 
-// Window bounds as the kernel uses them; `has_right`/`has_left` say whether the side is bounded.  Read from
-// the kernel parameters (the constant bank on the GPU) where used, not copied into registers that would stay
-// live across the main loop (the head-dim-256 forward kernels spilled with the copies).
+// Window bounds as the kernels use them; `has_right()`/`has_left()` say whether the side is bounded.  Two
+// forms with one interface, chosen by what each kernel's registers allow (measured, docs/kernels.md): Window
+// reads the kernel parameters where used (the constant bank on the GPU), so the bounds do not stay live across
+// the forward's main loop (its head-dim-256 kernels spilled with copies); WindowCopy copies them once, as the
+// backward does (its head-dim-64 sm_80 kernel spilled 32 bytes reading them in place).
 template <class Flags>
 struct Window {
   FwdParams const& params;
@@ -96,8 +98,22 @@ struct Window {
   CUTE_HOST_DEVICE int right() const { return flags.causal ? 0 : params.window_right; }
 };
 
-template <int kBlockM, int kBlockN, class Flags>
-CUTE_HOST_DEVICE int n_block_max(BlockInfo const& binfo, Window<Flags> const& w, int m_block) {
+template <class Flags>
+struct WindowCopy {
+  bool has_left_, has_right_;
+  int left_, right_;
+  CUTE_HOST_DEVICE WindowCopy(FwdParams const& params, Flags const& flags) {
+    Window<Flags> const w(params, flags);
+    has_left_ = w.has_left(), has_right_ = w.has_right(), left_ = w.left(), right_ = w.right();
+  }
+  CUTE_HOST_DEVICE bool has_left() const { return has_left_; }
+  CUTE_HOST_DEVICE bool has_right() const { return has_right_; }
+  CUTE_HOST_DEVICE int left() const { return left_; }
+  CUTE_HOST_DEVICE int right() const { return right_; }
+};
+
+template <int kBlockM, int kBlockN, class W>
+CUTE_HOST_DEVICE int n_block_max(BlockInfo const& binfo, W const& w, int m_block) {
   int n_max = ceil_div(binfo.seqlen_k, kBlockN);
   if (w.has_right()) {
     int const last_row = cute::min((m_block + 1) * kBlockM, binfo.seqlen_q) - 1;
@@ -117,8 +133,8 @@ CUTE_HOST_DEVICE void restrict_to_split(BlockInfo const& binfo, int num_splits, 
   n_max = cute::min(n_max, (n_split + 1) * per_split);
 }
 
-template <int kBlockM, int kBlockN, class Flags>
-CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, Window<Flags> const& w, int m_block) {
+template <int kBlockM, int kBlockN, class W>
+CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, W const& w, int m_block) {
   if (!w.has_left()) { return 0; }
   int const first_col = binfo.diagonal(m_block * kBlockM) - w.left();
   return first_col <= 0 ? 0 : first_col / kBlockN;
@@ -129,15 +145,15 @@ CUTE_HOST_DEVICE int n_block_min(BlockInfo const& binfo, Window<Flags> const& w,
 // right and j >= diagonal(i) - left, so the first row that sees the tile's first key is col0 - (seqlen_k -
 // seqlen_q) - right, and the last row that sees its last key is col1 - (seqlen_k - seqlen_q) + left.  The range
 // may be empty (keys left of a local window's reach, or a sequence without queries): dK = dV = 0 there.
-template <int kBlockM, int kBlockN, class Flags>
-CUTE_HOST_DEVICE int m_block_min(BlockInfo const& binfo, Window<Flags> const& w, int n_block) {
+template <int kBlockM, int kBlockN, class W>
+CUTE_HOST_DEVICE int m_block_min(BlockInfo const& binfo, W const& w, int n_block) {
   if (!w.has_right()) { return 0; }
   int const first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q) - w.right();
   return first_row <= 0 ? 0 : first_row / kBlockM;
 }
 
-template <int kBlockM, int kBlockN, class Flags>
-CUTE_HOST_DEVICE int m_block_max(BlockInfo const& binfo, Window<Flags> const& w, int n_block) {
+template <int kBlockM, int kBlockN, class W>
+CUTE_HOST_DEVICE int m_block_max(BlockInfo const& binfo, W const& w, int n_block) {
   int m_max = ceil_div(binfo.seqlen_q, kBlockM);
   if (w.has_left()) {
     int const last_col = cute::min((n_block + 1) * kBlockN, binfo.seqlen_k) - 1;
@@ -149,8 +165,8 @@ CUTE_HOST_DEVICE int m_block_max(BlockInfo const& binfo, Window<Flags> const& w,
 
 // True when every (row, key) of the tile pair is visible, so the mask may be skipped.  Rows past
 // seqlen_q are counted too (conservative: they are never stored).
-template <int kBlockM, int kBlockN, class Flags>
-CUTE_HOST_DEVICE bool tile_fully_visible(BlockInfo const& binfo, Window<Flags> const& w, int m_block,
+template <int kBlockM, int kBlockN, class W>
+CUTE_HOST_DEVICE bool tile_fully_visible(BlockInfo const& binfo, W const& w, int m_block,
                                          int n_block) {
   int const row0 = m_block * kBlockM, col0 = n_block * kBlockN;
   bool visible = col0 + kBlockN <= binfo.seqlen_k;

@@ -73,7 +73,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
 
   BlockInfo const binfo(params, bidb, via<Traits>);
   if (n_block * kBlockN >= binfo.seqlen_k) { return; }  // no key of this sequence here: no dK/dV row to write
-  Window<Flags> const window(params, flags);
+  WindowCopy<Flags> const window(params, flags);
   int const m_min = m_block_min<kBlockM, kBlockN>(binfo, window, n_block);
   int const m_max = m_block_max<kBlockM, kBlockN>(binfo, window, n_block);
 
@@ -327,7 +327,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     float const alibi_slope =
         flags.alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) / params.score_scale
                     : 0.f;
-    ScoreMask<Flags> const mask{binfo, window, alibi_slope};
+    ScoreMask<WindowCopy<Flags>> const mask{binfo, window, alibi_slope};
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
     CUTE_UNROLL

@@ -182,7 +182,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
           flags.alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) /
                             params.score_scale
                       : 0.f;
-      ScoreMask<Flags> const mask{binfo, window, alibi_slope};
+      ScoreMask<Window<Flags>> const mask{binfo, window, alibi_slope};
       mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
     }
 

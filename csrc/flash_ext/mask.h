@@ -19,10 +19,10 @@ CUTE_HOST_DEVICE void apply_softcap(Tensor& acc, float prescale) {
   for (int i = 0; i < cute::size(acc); ++i) { acc(i) = Traits::tanh(acc(i) * prescale); }
 }
 
-template <class Flags>
+template <class W>  // Window or WindowCopy (block_info.h)
 struct ScoreMask {
   BlockInfo const& binfo;
-  Window<Flags> const& window;
+  W const& window;
   float alibi_slope;  // already divided by score_scale: it is added in the kernel's score domain
 
   // acc and coord are (row, col) views of the same fragment: coord(i, j) is the (row, col) of acc(i, j)
