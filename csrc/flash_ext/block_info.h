@@ -46,8 +46,6 @@ struct BlockInfo {
                         : index_t(params.kv_batch_idx ? Mem::load_global(params.kv_batch_idx + bidb) : bidb) * batch_stride;
   }
   // Element offset of K/V tile n_block (its first key) from kv_seq_offset's row: left padding and pages.
-  // The forward adds kv_seq_offset to its K/V pointers once, before its loop over tiles, rather than
-  // evaluating it (a load of the batch index among it) for every tile.
   template <class Mem = PlainGlobalMemory>
   CUTE_HOST_DEVICE index_t kv_tile_offset_in_seq(FwdParams const& params, int bidb, int n_block, int block_n,
                                                  index_t batch_stride, index_t row_stride) const {
@@ -58,6 +56,20 @@ struct BlockInfo {
       return index_t(page) * batch_stride + index_t(row % params.page_size) * row_stride;
     }
     return index_t(row) * row_stride;
+  }
+  // Element offset from K/V tile n_block + 1 to tile n_block: the forward walks its tiles right to left by
+  // moving each thread's copy source, instead of rebuilding it (tile base, 64-bit row products, the thread's
+  // own offset) for every tile.  One tile of rows back in a contiguous cache; in a paged one the difference of
+  // the two tiles' page addresses (a tile never straddles two pages: pages hold a multiple of 128 keys and
+  // the op layer refuses left padding with a block table, so every tile starts at a multiple of block_n).
+  template <class Mem = PlainGlobalMemory>
+  CUTE_HOST_DEVICE index_t kv_tile_step(FwdParams const& params, int bidb, int n_block, int block_n,
+                                        index_t batch_stride, index_t row_stride) const {
+    if (params.block_table != nullptr) {
+      return kv_tile_offset_in_seq<Mem>(params, bidb, n_block, block_n, batch_stride, row_stride) -
+             kv_tile_offset_in_seq<Mem>(params, bidb, n_block + 1, block_n, batch_stride, row_stride);
+    }
+    return -index_t(block_n) * row_stride;
   }
   // Element offset of K/V tile n_block of this batch entry, without the head offset: the one place that
   // knows about varlen offsets, cache batch indices, left padding and pages.

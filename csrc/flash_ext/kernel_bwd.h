@@ -324,10 +324,8 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
 
     // The forward's ALiBi and mask, then P = exp(score - LSE) (one FFMA + EX2 per score on the GPU).  Masked
     // scores are -inf and give P = 0 exactly.
-    float const alibi_slope =
-        flags.alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) / params.score_scale
-                    : 0.f;
-    ScoreMask<WindowCopy<Flags>> const mask{binfo, window, alibi_slope};
+    ScoreMask<WindowCopy<Flags>> const mask{binfo, window,
+                                            alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
     CUTE_UNROLL

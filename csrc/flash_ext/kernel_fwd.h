@@ -90,23 +90,25 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);                                          // (CPY,CPY_M,CPY_K)
   Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);                                          // (CPY,CPY_N,CPY_K)
   Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);                                          // (CPY,CPY_N,CPY_K)
-  // K/V tile n as this thread's copy partition.  Each tile is addressed from its own base (block_info.h),
-  // so contiguous, varlen, batch-indexed and paged caches share one code path; the batch entry's offset is
-  // added once, here (in every tile's address it cost 13 instructions per iteration and a register that
-  // two head-dim-128 kernels did not have).
-  Element const* const k_seq = static_cast<Element const*>(params.k_ptr) + params.k_head_stride * bidh_kv +
-                              binfo.kv_seq_offset<Traits>(params, bidb, params.k_batch_stride, params.k_row_stride);
-  Element const* const v_seq = static_cast<Element const*>(params.v_ptr) + params.v_head_stride * bidh_kv +
-                              binfo.kv_seq_offset<Traits>(params, bidb, params.v_batch_stride, params.v_row_stride);
-  auto kv_tile = [&](Element const* seq_base, index_t batch_stride, index_t row_stride, int n) {
-    Element const* ptr =
-        seq_base + binfo.kv_tile_offset_in_seq<Traits>(params, bidb, n, kBlockN, batch_stride, row_stride);
+  // K/V tile n_max - 1 as this thread's copy partition.  The loop then moves the partitions one tile left at a
+  // time (kv_tile_step: one 64-bit add in a contiguous cache) rather than rebuilding them from the tile index:
+  // the rebuild cost ~22 integer instructions per K or V tile (sm_90, head dim 64) and, at head dim 256, the
+  // last register (four kernels spilled 8 bytes with it, none without).
+  // block_info.h alone knows varlen offsets, cache batch indices, left padding and pages.
+  int n_block = n_max - 1;
+  auto kv_partition = [&](void const* base, index_t head_stride, index_t batch_stride, index_t row_stride) {
+    Element const* ptr = static_cast<Element const*>(base) + head_stride * bidh_kv +
+                         binfo.kv_tile_offset<Traits>(params, bidb, n_block, kBlockN, batch_stride, row_stride);
     Tensor gKV = make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                                              make_stride(row_stride, _1{})));  // (BLK_N,HEAD_DIM)
     return gmem_thr_copy_QKV.partition_S(gKV);                                                // (CPY,CPY_N,CPY_K)
   };
-  auto tKgK = [&](int n) { return kv_tile(k_seq, params.k_batch_stride, params.k_row_stride, n); };
-  auto tVgV = [&](int n) { return kv_tile(v_seq, params.v_batch_stride, params.v_row_stride, n); };
+  Tensor tKgK = kv_partition(params.k_ptr, params.k_head_stride, params.k_batch_stride, params.k_row_stride);  // (CPY,CPY_N,CPY_K)
+  Tensor tVgV = kv_partition(params.v_ptr, params.v_head_stride, params.v_batch_stride, params.v_row_stride);  // (CPY,CPY_N,CPY_K)
+  // Moves a partition from tile n + 1 to tile n.
+  auto step_left = [&](auto& tXgX, index_t batch_stride, index_t row_stride, int n) {
+    tXgX.data() = tXgX.data() + binfo.kv_tile_step<Traits>(params, bidb, n, kBlockN, batch_stride, row_stride);
+  };
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));          // (CPY,CPY_M,CPY_K) -> (m,k)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));        // (CPY,CPY_N,CPY_K) -> (n,k)
 
@@ -130,11 +132,10 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
 
   int const row0 = m_block * kBlockM;
   int const rows_left = binfo.seqlen_q - row0;
-  int n_block = n_max - 1;
 
   // Prologue: Q and the right-most K tile in one cp.async group.
   copy_tile<Traits>(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, rows_left, params.d, flags.even_mn, flags.even_k);
-  copy_tile<Traits>(gmem_tiled_copy_QKV, tKgK(n_block), tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+  copy_tile<Traits>(gmem_tiled_copy_QKV, tKgK, tKsK, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
             params.d, flags.even_mn, flags.even_k);
   Traits::cp_async_fence();
 
@@ -159,7 +160,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::barrier();
 
     // V(n_block) streams in while S = Q.K^T runs.  Rows past seqlen_k are zero-filled (see copy_tile).
-    copy_tile<Traits>(gmem_tiled_copy_QKV, tVgV(n_block), tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+    copy_tile<Traits>(gmem_tiled_copy_QKV, tVgV, tVsV, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
               params.d, flags.even_mn, flags.even_k);
     Traits::cp_async_fence();
 
@@ -176,13 +177,8 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     {
-      // The ALiBi slope is read per tile (an L1 hit) rather than held across the loop: with the lagging
-      // softmax the head-dim-256 kernels had no register left for it (they spilled 8-16 bytes).
-      float const alibi_slope =
-          flags.alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) /
-                            params.score_scale
-                      : 0.f;
-      ScoreMask<Window<Flags>> const mask{binfo, window, alibi_slope};
+      ScoreMask<Window<Flags>> const mask{binfo, window,
+                                          alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
       mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
     }
 
@@ -191,9 +187,12 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     Traits::template cp_async_wait<0>();
     Traits::barrier();
     if (n_block > n_min) {
-      copy_tile<Traits>(gmem_tiled_copy_QKV, tKgK(n_block - 1), tKsK, tKVcKV,
-                binfo.seqlen_k - (n_block - 1) * kBlockN, params.d, flags.even_mn, flags.even_k);
+      step_left(tKgK, params.k_batch_stride, params.k_row_stride, n_block - 1);
+      copy_tile<Traits>(gmem_tiled_copy_QKV, tKgK, tKsK, tKVcKV, binfo.seqlen_k - (n_block - 1) * kBlockN,
+                        params.d, flags.even_mn, flags.even_k);
       Traits::cp_async_fence();
+      // The next tile's V source.  This tile's V copy took its addresses when it was issued.
+      step_left(tVgV, params.v_batch_stride, params.v_row_stride, n_block - 1);
     }
 
     softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, first_tile);

@@ -19,6 +19,16 @@ CUTE_HOST_DEVICE void apply_softcap(Tensor& acc, float prescale) {
   for (int i = 0; i < cute::size(acc); ++i) { acc(i) = Traits::tanh(acc(i) * prescale); }
 }
 
+// The ALiBi slope of (batch, head) in the kernel's score domain (the bias is added to Q.K^T before the scale, so
+// the slope is divided by it), or 0 without ALiBi.  Both kernels call it per tile instead of holding the value
+// across their main loop: it is an L1 hit, and the head-dim-256 forward had no register left for it.
+template <class Traits>
+CUTE_HOST_DEVICE float alibi_slope_in_score_domain(FwdParams const& params, bool alibi, int bidb, int bidh) {
+  return alibi ? Traits::load_global(params.alibi_slopes_ptr + bidb * params.alibi_slopes_batch_stride + bidh) /
+                     params.score_scale
+               : 0.f;
+}
+
 template <class W>  // Window or WindowCopy (block_info.h)
 struct ScoreMask {
   BlockInfo const& binfo;

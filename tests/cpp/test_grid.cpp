@@ -1,11 +1,13 @@
 // Launch geometry (csrc/flash_ext/grid.h) as pure functions, around CUDA's 65,535 limit on grid.y / grid.z:
 // every grid stays inside the limits, and the block decode is a bijection from the valid blocks onto the
 // work items (m_block, batch, head, split) -- checked exhaustively where the grid is small enough, and at the
-// boundaries (first and last blocks of each z row) where it is not.
+// boundaries (first and last blocks of each z row) where it is not.  Also the forward's walk over K/V tiles
+// (block_info.h): stepping tile by tile from the right-most one lands on each tile's own address.
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
+#include "flash_ext/block_info.h"
 #include "flash_ext/grid.h"
 #include "check.h"
 
@@ -94,7 +96,60 @@ void combine(int64_t sq, int64_t d, int64_t b, int64_t h) {
   CHECK(valid == b * h && once, "combine blocks of b %lld h %lld", (long long)b, (long long)h);
 }
 
+// The forward starts at tile n_max - 1 (kv_tile_offset) and moves left by kv_tile_step.  Expected offsets are
+// written from the cache layouts themselves: a contiguous cache (batch index, left padding, varlen start)
+// places key r of entry b at base(b) + r * row_stride; a paged one at table[b][r / page] * page_stride +
+// (r % page) * row_stride.
+void kv_tile_walk(int block_n, bool paged, bool varlen) {
+  constexpr int kBatch = 3, kPage = 128, kPagesPer = 6;
+  index_t const row_stride = 5 * 64, batch_stride = 1000 * row_stride, page_stride = kPage * row_stride;
+  int const lens[kBatch] = {700, 129, kPage * kPagesPer};
+  int const cu[kBatch + 1] = {0, 700, 829, 829 + kPage * kPagesPer};
+  int const batch_idx[kBatch] = {2, 0, 1}, leftpad[kBatch] = {0, 37, 5};
+  // Pages scattered over a pool of 3 x 6: entry b's page j is pool page (7 * (b * 6 + j) + 3) mod 18.
+  int table[kBatch][kPagesPer];
+  for (int b = 0; b < kBatch; ++b)
+    for (int j = 0; j < kPagesPer; ++j) { table[b][j] = (7 * (b * kPagesPer + j) + 3) % (kBatch * kPagesPer); }
+  FwdParams p;
+  p.b = kBatch;
+  p.seqlen_k = kPage * kPagesPer;
+  if (paged) {
+    p.block_table = &table[0][0];
+    p.block_table_batch_stride = kPagesPer;
+    p.page_size = kPage;
+  } else if (varlen) {
+    p.cu_seqlens_k = cu;
+  } else {
+    p.kv_batch_idx = batch_idx;
+    p.leftpad_k = leftpad;
+  }
+  for (int b = 0; b < kBatch; ++b) {
+    BlockInfo const binfo(p, b);
+    int const row0 = p.leftpad_k ? leftpad[b] : 0;
+    int const keys = varlen ? lens[b] : p.seqlen_k - row0;
+    auto expected = [&](int n) -> index_t {
+      int const r = row0 + n * block_n;
+      if (paged) { return index_t(table[b][r / kPage]) * page_stride + index_t(r % kPage) * row_stride; }
+      return (varlen ? index_t(cu[b]) * row_stride : index_t(batch_idx[b]) * batch_stride) + index_t(r) * row_stride;
+    };
+    int const n_max = ceil_div(keys, block_n);
+    index_t at = binfo.kv_tile_offset(p, b, n_max - 1, block_n, paged ? page_stride : batch_stride, row_stride);
+    int wrong = at != expected(n_max - 1);
+    for (int n = n_max - 2; n >= 0; --n) {
+      at += binfo.kv_tile_step(p, b, n, block_n, paged ? page_stride : batch_stride, row_stride);
+      wrong += at != expected(n);
+    }
+    CHECK(wrong == 0, "K/V walk, block_n %d, %s, entry %d: %d of %d tiles misplaced", block_n,
+          paged ? "paged" : varlen ? "varlen" : "batch index + left padding", b, wrong, n_max);
+  }
+}
+
 int main() {
+  for (int block_n : {16, 32, 64, 128}) {
+    kv_tile_walk(block_n, /*paged=*/false, /*varlen=*/false);
+    kv_tile_walk(block_n, /*paged=*/false, /*varlen=*/true);
+    kv_tile_walk(block_n, /*paged=*/true, /*varlen=*/false);
+  }
   // Small grids, exhaustively.
   exhaustive(3, 2, 5, 1);
   exhaustive(2, 7, 3, 4);
