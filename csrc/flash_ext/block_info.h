@@ -36,26 +36,17 @@ struct BlockInfo {
   CUTE_HOST_DEVICE index_t q_offset(index_t batch_stride, index_t row_stride, int bidb) const {
     return q_start >= 0 ? index_t(q_start) * row_stride : index_t(bidb) * batch_stride;
   }
-  // Element offset of this batch entry's first K/V row, without the head offset: varlen offsets and cache
-  // batch indices.  0 for a paged cache, whose tiles are addressed by page (kv_tile_offset_in_seq).
+  // Element offset of K/V tile n_block of this batch entry (its first key), without the head offset: the one
+  // place that knows about varlen offsets, cache batch indices, left padding and pages.
   template <class Mem = PlainGlobalMemory>
-  CUTE_HOST_DEVICE index_t kv_seq_offset(FwdParams const& params, int bidb, index_t batch_stride,
-                                         index_t row_stride) const {
-    if (params.block_table != nullptr) { return 0; }
-    return k_start >= 0 ? index_t(k_start) * row_stride
-                        : index_t(params.kv_batch_idx ? Mem::load_global(params.kv_batch_idx + bidb) : bidb) * batch_stride;
-  }
-  // Element offset of K/V tile n_block (its first key) from kv_seq_offset's row: left padding and pages.
-  template <class Mem = PlainGlobalMemory>
-  CUTE_HOST_DEVICE index_t kv_tile_offset_in_seq(FwdParams const& params, int bidb, int n_block, int block_n,
-                                                 index_t batch_stride, index_t row_stride) const {
+  CUTE_HOST_DEVICE index_t kv_tile_offset(FwdParams const& params, int bidb, int n_block, int block_n,
+                                          index_t batch_stride, index_t row_stride) const {
     int const row = k_row0 + n_block * block_n;
-    if (params.block_table != nullptr) {
-      int const page =
-          Mem::load_global(params.block_table + index_t(bidb) * params.block_table_batch_stride + row / params.page_size);
-      return index_t(page) * batch_stride + index_t(row % params.page_size) * row_stride;
-    }
-    return index_t(row) * row_stride;
+    if (params.block_table != nullptr) { return kv_page_offset<Mem>(params, bidb, row, batch_stride, row_stride); }
+    index_t const seq = k_start >= 0 ? index_t(k_start) * row_stride
+                                     : index_t(params.kv_batch_idx ? Mem::load_global(params.kv_batch_idx + bidb) : bidb) *
+                                           batch_stride;
+    return seq + index_t(row) * row_stride;
   }
   // Element offset from K/V tile n_block + 1 to tile n_block: the forward walks its tiles right to left by
   // moving each thread's copy source, instead of rebuilding it (tile base, 64-bit row products, the thread's
@@ -66,18 +57,20 @@ struct BlockInfo {
   CUTE_HOST_DEVICE index_t kv_tile_step(FwdParams const& params, int bidb, int n_block, int block_n,
                                         index_t batch_stride, index_t row_stride) const {
     if (params.block_table != nullptr) {
-      return kv_tile_offset_in_seq<Mem>(params, bidb, n_block, block_n, batch_stride, row_stride) -
-             kv_tile_offset_in_seq<Mem>(params, bidb, n_block + 1, block_n, batch_stride, row_stride);
+      int const row = k_row0 + n_block * block_n;
+      return kv_page_offset<Mem>(params, bidb, row, batch_stride, row_stride) -
+             kv_page_offset<Mem>(params, bidb, row + block_n, batch_stride, row_stride);
     }
     return -index_t(block_n) * row_stride;
   }
-  // Element offset of K/V tile n_block of this batch entry, without the head offset: the one place that
-  // knows about varlen offsets, cache batch indices, left padding and pages.
+  // Element offset of key `row` of this batch entry in a paged cache: its page (looked up in the block table)
+  // times the page stride, plus its row within the page.
   template <class Mem = PlainGlobalMemory>
-  CUTE_HOST_DEVICE index_t kv_tile_offset(FwdParams const& params, int bidb, int n_block, int block_n,
-                                          index_t batch_stride, index_t row_stride) const {
-    return kv_seq_offset<Mem>(params, bidb, batch_stride, row_stride) +
-           kv_tile_offset_in_seq<Mem>(params, bidb, n_block, block_n, batch_stride, row_stride);
+  CUTE_HOST_DEVICE index_t kv_page_offset(FwdParams const& params, int bidb, int row, index_t page_stride,
+                                          index_t row_stride) const {
+    int const page =
+        Mem::load_global(params.block_table + index_t(bidb) * params.block_table_batch_stride + row / params.page_size);
+    return index_t(page) * page_stride + index_t(row % params.page_size) * row_stride;
   }
   // LSE is (b, h, seqlen_q) for fixed-length batches and (h, total_q) for varlen.
   CUTE_HOST_DEVICE index_t lse_offset(FwdParams const& params, int bidb, int bidh) const {
