@@ -18,6 +18,9 @@ CUTE_HOST_DEVICE void copy_tile(TiledCopy const& tiled_copy, Src const& S, Dst& 
   CUTE_STATIC_ASSERT_V(rank(S) == Int<3>{});
   CUTE_STATIC_ASSERT_V(size<1>(S) == size<1>(D));
   CUTE_STATIC_ASSERT_V(size<2>(S) == size<2>(D));
+  if constexpr (Traits::kIsHost) {  // the CPU may leave a whole K/V tile where it is (traits_host.h)
+    if (Traits::read_in_place(S, D, even_k && get<0>(identity(0, size<1>(S) - 1, 0)) < max_row)) { return; }
+  }
   if (even_mn && even_k) {
     copy(tiled_copy, S, D);
   } else {

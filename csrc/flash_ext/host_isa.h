@@ -142,13 +142,27 @@ int64_t host_l2_bytes();
 
 // --- The running call's context, per thread ---
 
+// A shared-memory K/V tile that was not filled: the tile GEMM reads the global tile it would have held,
+// whose rows lie gmem_row_stride elements apart instead of smem_row_stride (the dense tile's kHeadDim).
+struct HostTileInPlace {
+  void const* smem = nullptr;
+  void const* gmem = nullptr;
+  int64_t gmem_row_stride = 0;
+  int64_t smem_row_stride = 0;
+};
+
 // What the host hooks of one CTA need that the kernel body does not pass them: the micro-kernels of the
 // call and how many query rows of the tile are real.  Rows at and beyond live_rows (past the sequence end)
 // are zero-filled inputs whose outputs are never stored, so the micro-kernels may skip them (a decode
-// step fills 1-16 rows of a 16-row tile).  Set by the launcher (launch_host.h) around each CTA.
+// step fills 1-16 rows of a 16-row tile).  kv_in_place: this CTA's whole K/V tiles are read where they lie
+// instead of staged (a decode CTA whose rows were warmed into L2; traits_host.h says why), and in_place
+// says which shared tiles currently stand for a global one.  Set by the launcher (launch_host.h) around
+// each CTA.
 struct HostCtaContext {
   HostKernels const* kernels = nullptr;
   int live_rows = 1 << 30;
+  bool kv_in_place = false;
+  HostTileInPlace in_place[2];  // sK and sV
 };
 HostCtaContext& host_cta_context();
 

@@ -65,8 +65,9 @@ constexpr int host_head_dim_for(int d) {
 // head's work item reads d of every h_k * d elements, tile by tile from the right: one Zen 4 core streams
 // that pattern at ~8 GB/s, a front-to-back read of the same rows at ~25 (docs/perf.md).  So decode work items
 // run the heads of one (batch, split) back to back on one thread, and the first of them reads the split's
-// rows of all those heads once, front to back, one load per cache line (warm_decode_split); the body's own
-// tile copies then hit L2.  The splits are sized so that those rows fit in half of L2 (host_decode_splits).
+// rows of all those heads once, front to back, one load per cache line (warm_decode_split); the bodies then
+// read their whole K/V tiles there, in place rather than staged (HostTraits::read_in_place).  The splits are
+// sized so that those rows fit in half of L2 (host_decode_splits).
 
 // Bytes of one key over K/V heads [kv_first, kv_last] of K and V together, as the warming reads them (from
 // the first head's first element to the last head's d-th, per tensor); 0 when those heads do not lie side by
@@ -149,14 +150,18 @@ void for_each_warm_range(FwdParams const& params, DynamicFlags const& flags, int
   ranges(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
 }
 
-// Reads the ranges of for_each_warm_range into this core's caches.
+// Reads the ranges of for_each_warm_range into this core's caches; false when there were none.
 template <class Traits>
-void warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int bidb, int n_split, int bidh_first,
+bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int bidb, int n_split, int bidh_first,
                        int bidh_last) {
   unsigned char acc = 0;
-  for_each_warm_range<Traits>(params, flags, bidb, n_split, bidh_first, bidh_last,
-                              [&](char const* p, int64_t n) { touch_lines(p, n, acc); });
+  bool warmed = false;
+  for_each_warm_range<Traits>(params, flags, bidb, n_split, bidh_first, bidh_last, [&](char const* p, int64_t n) {
+    touch_lines(p, n, acc);
+    warmed = true;
+  });
   asm volatile("" : : "r"(acc));  // the loads are the point; keep them
+  return warmed;
 }
 
 // Installs a call's micro-kernels as this worker thread's context (host_isa.h) for the scope of one
@@ -170,6 +175,11 @@ class HostCtaScope {
   HostCtaScope(HostCtaScope const&) = delete;
   HostCtaScope& operator=(HostCtaScope const&) = delete;
   void set_live_rows(int rows) { ctx_.live_rows = rows; }
+  // Whether the next CTA reads its whole K/V tiles in place (HostTraits::read_in_place); none does yet.
+  void set_kv_in_place(bool on) {
+    ctx_.kv_in_place = on;
+    for (HostTileInPlace& t : ctx_.in_place) { t = {}; }
+  }
 
  private:
   HostCtaContext& ctx_;
@@ -188,6 +198,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
     HostCtaScope scope(kernels);
     alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA
+    bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place
     for (int64_t i = begin; i < end; ++i) {
       int m_block = 0, n_split, bidh, bidb;
       if (decode) {
@@ -197,7 +208,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
         bidb = int(rest / num_splits);
         if (bidh == 0 || i == begin) {  // the first of this group's heads on this thread
           int const last = int(cute::min<int64_t>(params.h - 1, bidh + (end - 1 - i)));
-          warm_decode_split<Traits>(params, flags, bidb, n_split, bidh, last);
+          warmed = warm_decode_split<Traits>(params, flags, bidb, n_split, bidh, last);
         }
       } else {
         m_block = int(i % num_m_blocks);
@@ -209,6 +220,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
       }
       // Query rows of this tile that exist (the last tile of a sequence, a decode step's 1-16 rows).
       scope.set_live_rows(BlockInfo(params, bidb).seqlen_q - m_block * Traits::kBlockM);
+      scope.set_kv_in_place(decode && warmed);
       compute_attn_1rowblock<Traits>(params, flags, bidb, bidh, m_block, /*tidx=*/0, smem, n_split);
     }
   });

@@ -250,11 +250,21 @@ HostOperand host_operand(Tensor const& t) {
 // Rows past the CTA's live rows (host_cta_context) are skipped.
 template <class Acc, class A, class B>
 void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
-  HostOperand const c = host_operand(acc), a = host_operand(tA), b = host_operand(tB);
+  HostOperand const c = host_operand(acc), a = host_operand(tA);
+  HostOperand b = host_operand(tB);
   static_assert(std::is_same_v<typename Acc::value_type, float>);
+  HostCtaContext const& ctx = host_cta_context();
+  if (ctx.kv_in_place) {  // B a K/V tile left in place (HostTraits::read_in_place): its global rows instead
+    for (HostTileInPlace const& t : ctx.in_place) {
+      if (t.smem != nullptr && t.smem == b.ptr) {
+        b.ptr = t.gmem;
+        (b.row_stride == t.smem_row_stride ? b.row_stride : b.col_stride) = t.gmem_row_stride;
+      }
+    }
+  }
   // Column-major fp32 accumulators: the layout of partition_fragment_C for the 1x1x1 atom.
   static_assert(host_mode_stride(cute::layout<1>(typename Acc::layout_type{})) == 1);
-  int const live = host_cta_context().live_rows;
+  int const live = ctx.live_rows;
   HostGemmArgs const g{static_cast<float*>(const_cast<void*>(c.ptr)), c.col_stride, a.ptr, a.type, a.row_stride,
                        a.col_stride, b.ptr, b.type, b.row_stride, b.col_stride,
                        c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc};
@@ -290,6 +300,41 @@ struct HostTraits : PlainGlobalMemory {
   // P stays fp32: the micro-kernels take fp32 operands anyway (bf16 dot-product levels round it themselves).
   using ElementP = float;
   static constexpr bool kIsHost = true;
+
+  // A decode CTA (kv_in_place, set by the launcher) does not stage a whole K/V tile: the tile GEMM reads
+  // the global rows instead (host_tile_gemm), and this returns true in place of the copy.  "Shared memory"
+  // is ordinary memory here, and the launcher has just warmed the split's rows into L2, so the copy
+  // would read L2 and write K and V tiles (68 KiB with Q at bf16, d = 128: twice the L1) that the GEMMs
+  // then read back from L2 as well: decode steps measured 9-17% more K/V bandwidth without it (bf16, fp16,
+  // fp32; AVX-512 and AVX2 levels; docs/perf.md).  Prefill keeps staging: reading its tiles
+  // in place was measured slower (the GEMMs took the memory stalls that the staged copy overlaps).  A tile
+  // with rows past seqlen_k or head-dim padding (whole = false) is staged, zero-filled, as always, and its
+  // shared tile stops standing for a global one.  Only tiles of kBlockN rows qualify: the Q tile of a decode
+  // CTA has kBlockM = 16 rows and is read from shared memory by a register copy, not by the tile GEMM.
+  template <class S, class D>
+  static bool read_in_place(S const& src, D const& dst, bool whole) {
+    using namespace cute;
+    if constexpr (decltype(rank(src))::value == 3 && decltype(size<1>(src))::value == kBlockN_ &&
+                  kBlockM_ != kBlockN_ && is_gmem<typename S::engine_type>::value) {
+      HostCtaContext& ctx = host_cta_context();
+      if (!ctx.kv_in_place) { return false; }
+      void const* const smem = raw_pointer_cast(&dst(0, 0, 0));
+      HostTileInPlace* slot = nullptr;
+      for (HostTileInPlace& t : ctx.in_place) {
+        if (t.smem == smem || (slot == nullptr && t.smem == nullptr)) { slot = &t; }
+      }
+      if (slot == nullptr) { return false; }  // not reached: two tiles, sK and sV
+      if (!whole) {
+        slot->smem = nullptr;
+        return false;
+      }
+      // (CPY, CPY_N, CPY_K) of one thread: mode 1 steps through the rows.
+      *slot = {smem, raw_pointer_cast(&src(0, 0, 0)), int64_t(stride<1>(src)), kHeadDim_};
+      return true;
+    } else {
+      return false;
+    }
+  }
   // A single thread has room for the whole Q tile: load it once, not once per K tile.
   static constexpr bool kQInRegs = true;
 
@@ -310,6 +355,7 @@ struct HostTraits : PlainGlobalMemory {
                                    cute::Stride<cute::_1, cute::Int<kBlockM>>>;
   using SmemLayoutKV = cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>,
                                     cute::Stride<cute::Int<kHeadDim>, cute::_1>>;
+  static_assert(decltype(cute::stride<0>(SmemLayoutKV{}))::value == kHeadDim, "read_in_place: dense rows");
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = SmemLayoutVt;
