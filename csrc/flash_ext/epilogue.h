@@ -91,6 +91,36 @@ CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& bi
   }
 }
 
+// Each row's LSE, by the thread that holds the row's column 0: (b, h, seqlen_q) or, varlen, (h, total_q) fp32.
+template <class Traits, class Lse>
+CUTE_HOST_DEVICE void store_lse(FwdParams const& params, BlockInfo const& binfo, Lse const& lse, int tidx, int bidb,
+                                int bidh, int m_block) {
+  using namespace cute;
+  constexpr int kBlockM = Traits::kBlockM;
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  float* const lse_row0 = params.softmax_lse_ptr + binfo.lse_offset(params, bidb, bidh);
+  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{});          // (BLK_M,HEAD_DIM) -> (m,k)
+  Tensor taccOcO = acc_rowcol<Traits::kAccValCols>(thr_mma.partition_C(cO));               // (ROWS,COLS) -> (m,k)
+  CUTE_STATIC_ASSERT_V(size<0>(taccOcO) == size(lse));
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(taccOcO); ++i) {
+    int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
+    if (get<1>(taccOcO(i, 0)) == 0 && row < binfo.seqlen_q) { Traits::store_global(lse_row0 + row, lse(i)); }
+  }
+}
+
+// This CTA's tile of O in global memory.
+template <class Traits>
+CUTE_HOST_DEVICE auto output_tile(FwdParams const& params, BlockInfo const& binfo, int bidb, int bidh, int m_block) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)),
+                          make_shape(binfo.seqlen_q, params.h, params.d),
+                          make_stride(params.o_row_stride, params.o_head_stride, _1{}));   // (SEQ_Q,H,D)
+  return local_tile(mO(_, bidh, _), Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M,HEAD_DIM)
+}
+
 // acc_o: (MMA, MMA_M, MMA_K) normalised accumulator; lse: one value per row of its (row, col) view.
 // Precondition: no thread still reads the shared-memory bytes of the Q tile (sO aliases them).
 template <class Traits, class Flags, class AccO, class Lse>
@@ -105,6 +135,13 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
+  if constexpr (Traits::kIsHost) {  // one thread holds the whole tile: its rows go straight to global O
+    store_lse<Traits>(params, binfo, lse, tidx, bidb, bidh, m_block);
+    Tensor gO = output_tile<Traits>(params, binfo, bidb, bidh, m_block);                    // (BLK_M,HEAD_DIM)
+    Traits::store_o_rows(acc_o, raw_pointer_cast(gO.data()), params.o_row_stride,
+                         cute::min(binfo.seqlen_q - m_block * kBlockM, kBlockM), params.d);
+    return;
+  }
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
@@ -117,24 +154,13 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   Tensor taccOsO = smem_thr_copy_O.partition_D(sO);                                        // ((ATOM,ATOM_NUM),MMA_M,MMA_K)
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
-  // LSE: (b, h, seqlen_q) or, varlen, (h, total_q) fp32.
-  float* const lse_row0 = params.softmax_lse_ptr + binfo.lse_offset(params, bidb, bidh);
-  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});                  // (BLK_M,HEAD_DIM) -> (m,k)
-  Tensor taccOcO = acc_rowcol<Traits::kAccValCols>(thr_mma.partition_C(cO));               // (ROWS,COLS) -> (m,k)
-  CUTE_STATIC_ASSERT_V(size<0>(taccOcO) == size(lse));
-  CUTE_UNROLL
-  for (int i = 0; i < size<0>(taccOcO); ++i) {
-    int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
-    if (get<1>(taccOcO(i, 0)) == 0 && row < binfo.seqlen_q) { Traits::store_global(lse_row0 + row, lse(i)); }
-  }
+  store_lse<Traits>(params, binfo, lse, tidx, bidb, bidh, m_block);
 
   // sO was written in the MMA's thread layout and is read back in the copy's layout.
   Traits::barrier();
 
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)),
-                          make_shape(binfo.seqlen_q, params.h, params.d),
-                          make_stride(params.o_row_stride, params.o_head_stride, _1{}));   // (SEQ_Q,H,D)
-  Tensor gO = local_tile(mO(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M,HEAD_DIM)
+  Tensor gO = output_tile<Traits>(params, binfo, bidb, bidh, m_block);                      // (BLK_M,HEAD_DIM)
+  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});                  // (BLK_M,HEAD_DIM) -> (m,k)
   typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
   Tensor tOsO = gmem_thr_copy_O.partition_S(sO);                                           // (CPY,CPY_M,CPY_K)

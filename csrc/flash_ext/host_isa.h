@@ -40,6 +40,20 @@ enum class HostDType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // in fp32.
 // With overwrite, C's prior contents are not read: C(m, n) = sum_k A(m, k) * B(n, k) (the S = Q.K^T of every
 // tile, which would otherwise be cleared in memory and read straight back).
+// Scratch in which a level may keep a GEMM operand A in its packed form, packed once and used by several
+// GEMMs: the forward's Q.K^T, whose A (the Q fragment) is loaded once per CTA and multiplies every K tile.
+// `valid` with `key` (A's address) and `rows`, `depth` (the GEMM's, rows rounded up to 16) says that `data`
+// holds A in the packed form of the level that set it; whoever owns A clears `valid` when A may change (the
+// launcher, at every CTA).  A level that finds it valid uses it, else may pack into it (when A's packed form
+// fits `bytes`) and set it.
+struct HostPackCache {
+  void* data = nullptr;
+  int64_t bytes = 0;
+  void const* key = nullptr;
+  int rows = 0, depth = 0;
+  bool valid = false;
+};
+
 struct HostGemmArgs {
   float* c;
   int64_t ldc;
@@ -51,6 +65,7 @@ struct HostGemmArgs {
   int64_t b_ns, b_ks;
   int rows, cols, depth;
   bool overwrite = false;
+  HostPackCache* a_cache = nullptr;  // A unchanged since the last call with this cache while it is valid
 };
 
 // One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles: scores S
@@ -102,6 +117,14 @@ struct HostKernels {
   // P(m, n) = p[m + n * ldp] becomes 0 where the bit (m + rows * n) of words (dropout_keep's order) is 0,
   // for m < live_rows rounded up to a whole vector, n < cols; rows is a multiple of 16.
   void (*dropout_apply)(float* p, int64_t ldp, int rows, int cols, int live_rows, uint32_t const* words);
+  // The output tile: dst[m * ldd + j] = src[m + j * lds] rounded to type `to` as convert does, for m < rows,
+  // j < cols; src (column-major fp32) holds rows rounded up to a multiple of 16.  Row by row into global O,
+  // where a conversion and then a transposing copy went element by element.
+  void (*store_rows)(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType to, int rows, int cols);
+  // Whether prefill reads whole bf16 K/V tiles where they lie instead of staging them (HostCtaContext::
+  // kv_in_place): true where the bf16 GEMM loads K's rows by tile loads from any stride and packs V itself
+  // (AMX), so the staging copy is one more pass over both.
+  bool bf16_kv_in_place;
 };
 
 // --- Selection (csrc/host/host_isa.cpp) ---
@@ -158,11 +181,13 @@ struct HostTileInPlace {
 // instead of staged (a decode CTA whose rows were warmed into L2; traits_host.h says why), and in_place
 // says which shared tiles currently stand for a global one.  Set by the launcher (launch_host.h) around
 // each CTA.
+// q_cache (the forward launcher's; null elsewhere): HostGemmArgs::a_cache of the forward's Q.K^T.
 struct HostCtaContext {
   HostKernels const* kernels = nullptr;
   int live_rows = 1 << 30;
   bool kv_in_place = false;
   HostTileInPlace in_place[2];  // sK and sV
+  HostPackCache* q_cache = nullptr;
 };
 HostCtaContext& host_cta_context();
 

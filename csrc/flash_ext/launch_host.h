@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "block_info.h"
 #include "combine.h"
@@ -170,15 +171,22 @@ class HostCtaScope {
  public:
   explicit HostCtaScope(HostKernels const& kernels) : ctx_(host_cta_context()), saved_(ctx_) {
     ctx_.kernels = &kernels;
+    ctx_.q_cache = nullptr;
   }
   ~HostCtaScope() { ctx_ = saved_; }
   HostCtaScope(HostCtaScope const&) = delete;
   HostCtaScope& operator=(HostCtaScope const&) = delete;
   void set_live_rows(int rows) { ctx_.live_rows = rows; }
-  // Whether the next CTA reads its whole K/V tiles in place (HostTraits::read_in_place); none does yet.
-  void set_kv_in_place(bool on) {
-    ctx_.kv_in_place = on;
+  // The forward's: where Q.K^T may keep Q's packed form (HostPackCache) for the CTAs of this scope.
+  void set_q_cache(HostPackCache* cache) { ctx_.q_cache = cache; }
+  // A forward CTA starts: its live rows, whether it reads its whole K/V tiles in place
+  // (HostTraits::read_in_place; no tile does until its copy says so), and a new Q, so nothing packed from
+  // the last CTA's is valid.
+  void begin_cta(int live_rows, bool kv_in_place) {
+    ctx_.live_rows = live_rows;
+    ctx_.kv_in_place = kv_in_place;
     for (HostTileInPlace& t : ctx_.in_place) { t = {}; }
+    if (ctx_.q_cache != nullptr) { ctx_.q_cache->valid = false; }
   }
 
  private:
@@ -195,9 +203,15 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
   // One row block per head (decode): the heads of a (batch, split) run back to back, warmed by the first
   // (see warm_decode_split).  Else m_block varies fastest, so neighbouring work items reuse K/V in cache.
   bool const decode = num_m_blocks == 1;
+  // Prefill stages its K/V tiles unless the level's GEMMs read them in place anyway (HostKernels).
+  bool const prefill_in_place = kernels.bf16_kv_in_place && std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>;
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
     HostCtaScope scope(kernels);
     alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA
+    // Q as bf16 pairs over whole 32-deep steps, as a level with bf16 tiles packs it (HostPackCache).
+    alignas(64) uint32_t q_pairs[Traits::kBlockM * ((Traits::kHeadDim + 31) / 32 * 16)];
+    HostPackCache q_cache{q_pairs, int64_t(sizeof(q_pairs))};
+    scope.set_q_cache(&q_cache);
     bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place
     for (int64_t i = begin; i < end; ++i) {
       int m_block = 0, n_split, bidh, bidb;
@@ -219,8 +233,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
         bidb = int(rest / params.h);
       }
       // Query rows of this tile that exist (the last tile of a sequence, a decode step's 1-16 rows).
-      scope.set_live_rows(BlockInfo(params, bidb).seqlen_q - m_block * Traits::kBlockM);
-      scope.set_kv_in_place(decode && warmed);
+      scope.begin_cta(BlockInfo(params, bidb).seqlen_q - m_block * Traits::kBlockM, decode ? warmed : prefill_in_place);
       compute_attn_1rowblock<Traits>(params, flags, bidb, bidh, m_block, /*tidx=*/0, smem, n_split);
     }
   });

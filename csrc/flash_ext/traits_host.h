@@ -267,7 +267,10 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
   int const live = ctx.live_rows;
   HostGemmArgs const g{static_cast<float*>(const_cast<void*>(c.ptr)), c.col_stride, a.ptr, a.type, a.row_stride,
                        a.col_stride, b.ptr, b.type, b.row_stride, b.col_stride,
-                       c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc};
+                       c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc,
+                       // The forward's one overwriting GEMM is Q.K^T (kernel_fwd.h, kZeroS), and its A is the Q
+                       // fragment, loaded once per CTA (kQInRegs): the same A for every K tile.
+                       zero_acc ? ctx.q_cache : nullptr};
   host_kernels().gemm(g);
   // Rows past the live ones (rounded up to a vector) are not computed; with zero_acc they are zeroed, as a
   // cleared accumulator would hold them, rather than left as whatever the stack held.
@@ -301,36 +304,41 @@ struct HostTraits : PlainGlobalMemory {
   using ElementP = float;
   static constexpr bool kIsHost = true;
 
-  // A decode CTA (kv_in_place, set by the launcher) does not stage a whole K/V tile: the tile GEMM reads
-  // the global rows instead (host_tile_gemm), and this returns true in place of the copy.  "Shared memory"
-  // is ordinary memory here, and the launcher has just warmed the split's rows into L2, so the copy
-  // would read L2 and write K and V tiles (68 KiB with Q at bf16, d = 128: twice the L1) that the GEMMs
-  // then read back from L2 as well: decode steps measured 9-17% more K/V bandwidth without it (bf16, fp16,
-  // fp32; AVX-512 and AVX2 levels; docs/perf.md).  Prefill keeps staging: reading its tiles
-  // in place was measured slower (the GEMMs took the memory stalls that the staged copy overlaps).  A tile
-  // with rows past seqlen_k or head-dim padding (whole = false) is staged, zero-filled, as always, and its
-  // shared tile stops standing for a global one.  Only tiles of kBlockN rows qualify: the Q tile of a decode
-  // CTA has kBlockM = 16 rows and is read from shared memory by a register copy, not by the tile GEMM.
+  // A CTA with kv_in_place (set by the launcher) does not stage a whole K/V tile: the tile GEMM reads the
+  // global rows instead (host_tile_gemm), and this returns true in place of the copy.  Two kinds of CTA do so.
+  // A decode CTA, whose split's rows the launcher has just warmed into L2: "shared memory" is ordinary memory
+  // here, so the copy would read L2 and write K and V tiles (68 KiB with Q at bf16, d = 128: twice the L1) that
+  // the GEMMs then read back from L2 as well (decode steps measured 9-17% more K/V bandwidth without it; bf16,
+  // fp16, fp32; AVX-512 and AVX2 levels).  And a bf16 prefill CTA on a level whose GEMMs load K by tile rows
+  // from any stride and pack V themselves (HostKernels::bf16_kv_in_place, AMX: 4-11% less time).  Other
+  // prefill stages: there in-place reads were measured slower (the GEMMs' broadcast loads took the memory
+  // stalls that the staged copy overlaps).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or
+  // head-dim padding (whole = false) is staged, zero-filled, as always, and its shared tile stops standing
+  // for a global one.  Only row-major tiles of kBlockN rows qualify, i.e. sK and sV: the column-major Q tile
+  // (kBlockM rows, possibly as many) is read from shared memory by a register copy, not by the tile GEMM.
   template <class S, class D>
   static bool read_in_place(S const& src, D const& dst, bool whole) {
     using namespace cute;
     if constexpr (decltype(rank(src))::value == 3 && decltype(size<1>(src))::value == kBlockN_ &&
-                  kBlockM_ != kBlockN_ && is_gmem<typename S::engine_type>::value) {
-      HostCtaContext& ctx = host_cta_context();
-      if (!ctx.kv_in_place) { return false; }
-      void const* const smem = raw_pointer_cast(&dst(0, 0, 0));
-      HostTileInPlace* slot = nullptr;
-      for (HostTileInPlace& t : ctx.in_place) {
-        if (t.smem == smem || (slot == nullptr && t.smem == nullptr)) { slot = &t; }
-      }
-      if (slot == nullptr) { return false; }  // not reached: two tiles, sK and sV
-      if (!whole) {
-        slot->smem = nullptr;
+                  is_gmem<typename S::engine_type>::value) {
+      if constexpr (int64_t(decltype(stride<1>(dst)){}) == kHeadDim_) {  // (CPY, CPY_N, CPY_K): rows along mode 1
+        HostCtaContext& ctx = host_cta_context();
+        if (!ctx.kv_in_place) { return false; }
+        void const* const smem = raw_pointer_cast(&dst(0, 0, 0));
+        HostTileInPlace* slot = nullptr;
+        for (HostTileInPlace& t : ctx.in_place) {
+          if (t.smem == smem || (slot == nullptr && t.smem == nullptr)) { slot = &t; }
+        }
+        if (slot == nullptr) { return false; }  // not reached: two tiles, sK and sV
+        if (!whole) {
+          slot->smem = nullptr;
+          return false;
+        }
+        *slot = {smem, raw_pointer_cast(&src(0, 0, 0)), int64_t(stride<1>(src)), kHeadDim_};
+        return true;
+      } else {
         return false;
       }
-      // (CPY, CPY_N, CPY_K) of one thread: mode 1 steps through the rows.
-      *slot = {smem, raw_pointer_cast(&src(0, 0, 0)), int64_t(stride<1>(src)), kHeadDim_};
-      return true;
     } else {
       return false;
     }
@@ -423,6 +431,19 @@ struct HostTraits : PlainGlobalMemory {
   template <class To>
   static void convert_contiguous(float const* in, To* out, int n) {
     host_kernels().convert(in, out, host_dtype<To>(), n);
+  }
+  // The output tile (write_output): the normalised accumulator, column-major, rounded and stored row by row
+  // into global O by the level's micro-kernel, instead of the conversion, shared-memory staging and copy
+  // that the GPU's scattered fragments need (these went element by element here: 7-8.5% of a bf16 prefill
+  // call's samples on the AMX level, against 3% for store_rows; docs/perf.md).
+  template <class AccO>
+  static void store_o_rows(AccO const& acc_o, Element* o, int64_t row_stride, int rows, int cols) {
+    using namespace cute;
+    using L = typename AccO::layout_type;
+    static_assert(decltype(size<0>(L{}))::value == 1 && host_mode_stride(layout<1>(L{})) == 1,
+                  "column-major tiles: rows contiguous");
+    host_kernels().store_rows(&acc_o(0), host_mode_stride(layout<2>(L{})), o, row_stride, host_dtype<Element>(), rows,
+                              cols);
   }
   template <class Tensor>
   static void clear_smem(Tensor&& t) { cute::clear(t); }

@@ -72,6 +72,9 @@ struct GemmCase {
   // outgrows the scratch at the larger shapes, so the GEMM's chunking is exercised too.
   bool b_wide = false;
   bool overwrite = false;  // C = A . B^T: C's prior contents (NaN here) must not be read
+  // Through an A cache (HostGemmArgs::a_cache): first holding a stale entry (A's address, but packed for other
+  // rows, over garbage), which must be repacked, not used; then again from what the first call left there.
+  bool cached = false;
 };
 
 void check_gemm(HostKernels const& k, GemmCase const& gc) {
@@ -96,8 +99,15 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
     }
   }
   std::vector<float> const c0 = c;
-  HostGemmArgs const g{c.data(), ldc, a.ptr(), gc.a_type, a_ms, a_ks, b.ptr(), gc.b_type, b_ns, b_ks,
-                       gc.rows, gc.cols, gc.depth, gc.overwrite};
+  // The largest packed A any level keeps: bf16 pairs of the rows, over whole 32-deep steps.
+  std::vector<uint32_t> packed(size_t(rows_alloc) * ((gc.depth + 31) / 32 * 16), 0x7f807f80u);  // bf16 pairs of inf
+  HostPackCache cache{packed.data(), int64_t(packed.size() * sizeof(uint32_t)), a.ptr(), rows_alloc + 16, gc.depth,
+                      true};
+  HostGemmArgs const g{c.data(), ldc,  a.ptr(),  gc.a_type, a_ms,         a_ks,         b.ptr(),
+                       gc.b_type, b_ns, b_ks,     gc.rows,   gc.cols,     gc.depth,     gc.overwrite,
+                       gc.cached ? &cache : nullptr};
+  for (int call = 0; call < (gc.cached ? 2 : 1); ++call) {
+  if (call == 1) { c = c0; }
   k.gemm(g);
   // A level with bf16 dot products rounds both operands of a bf16-B product to bf16.
   bool const rounds = (k.isa == HostIsa::kAvx512Bf16 || k.isa == HostIsa::kAmxBf16) && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
@@ -132,9 +142,11 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
   char const* const b_layout = gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)")
                                                  : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)");
-  CHECK(!nan_seen && max_err < 1e-5, "%s gemm%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
-        gc.overwrite ? " (overwrite)" : "", type_name(gc.a_type), gc.a_col_major ? "(col)" : "(row)",
-        type_name(gc.b_type), b_layout, gc.rows, gc.cols, gc.depth, max_err, nan_seen ? ", NaN results" : "");
+  CHECK(!nan_seen && max_err < 1e-5, "%s gemm%s%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
+        gc.overwrite ? " (overwrite)" : "", gc.cached ? (call == 0 ? " (stale cache)" : " (cached A)") : "",
+        type_name(gc.a_type), gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), b_layout, gc.rows, gc.cols,
+        gc.depth, max_err, nan_seen ? ", NaN results" : "");
+  }
 }
 
 void check_gemms(HostKernels const& k) {
@@ -158,6 +170,15 @@ void check_gemms(HostKernels const& k) {
           ++n;
         }
       }
+    }
+  }
+  // Q.K^T's A cache: fp32 column-major A (the Q fragment), bf16 K with its rows a head apart, overwriting.
+  int const cached_shapes[][3] = {{128, 128, 64}, {128, 128, 128}, {16, 128, 128}, {128, 128, 256}, {48, 300, 70},
+                                  {128, 64, 96},  {4, 7, 5},       {33, 13, 40}};
+  for (auto const& s : cached_shapes) {
+    for (bool wide : {false, true}) {
+      check_gemm(k, GemmCase{HostDType::kF32, HostDType::kBF16, s[0], s[1], s[2], true, true, wide, true, true});
+      ++n;
     }
   }
   std::printf("  gemm: %d cases\n", n);
@@ -422,12 +443,59 @@ void check_convert(HostKernels const& k) {
   std::printf("  convert: %zu values x 2 types\n", in.size());
 }
 
+// The output tile's row-by-row store (HostKernels::store_rows): every element rounded as convert rounds it,
+// nothing written past rows, cols or between the rows.
+void check_store_rows(HostKernels const& k) {
+  int const shapes[][2] = {{128, 64}, {128, 128}, {37, 40}, {16, 8}, {5, 1}, {1, 256}, {100, 24}};
+  std::normal_distribution<float> nd;
+  int n = 0;
+  for (auto const& sh : shapes) {
+    int const rows = sh[0], cols = sh[1], rows_alloc = (rows + 15) / 16 * 16;
+    int64_t const lds = rows_alloc + 16, ldd = cols + 3;
+    std::vector<float> src(size_t(lds) * cols);
+    for (auto& x : src) { x = nd(g_rng) * 3.f; }
+    src[0] = NAN;
+    for (HostDType t : {HostDType::kF32, HostDType::kBF16, HostDType::kF16}) {
+      int const esize = t == HostDType::kF32 ? 4 : 2;
+      std::vector<unsigned char> dst(size_t(ldd) * (rows + 1) * esize, 0xab);
+      k.store_rows(src.data(), lds, dst.data(), ldd, t, rows, cols);
+      int bad = 0, outside = 0;
+      for (int m = 0; m <= rows; ++m) {
+        for (int j = 0; j < ldd; ++j) {
+          unsigned char const* at = dst.data() + (size_t(m) * ldd + j) * esize;
+          if (m == rows || j >= cols) {
+            for (int b = 0; b < esize; ++b) { outside += at[b] != 0xab; }
+            continue;
+          }
+          float const x = src[size_t(m) + size_t(j) * lds];
+          if (t == HostDType::kF32) {
+            float got;
+            std::memcpy(&got, at, 4);
+            bad += !(got == x || (std::isnan(x) && std::isnan(got)));
+          } else {
+            uint16_t got;
+            std::memcpy(&got, at, 2);
+            uint16_t const want = t == HostDType::kBF16 ? cutlass::bfloat16_t(x).raw() : cutlass::half_t(x).raw();
+            bool const nan_ok = std::isnan(x) && (got & 0x7fff) > (t == HostDType::kBF16 ? 0x7f80 : 0x7c00);
+            bad += got != want && !nan_ok;
+          }
+        }
+      }
+      CHECK(bad == 0 && outside == 0, "%s store_rows to %s %dx%d: %d values wrong, %d bytes written outside", k.name,
+            type_name(t), rows, cols, bad, outside);
+      ++n;
+    }
+  }
+  std::printf("  store_rows: %d cases\n", n);
+}
+
 void check_level(HostKernels const& k) {
   std::printf("%s (%d lanes)\n", k.name, k.lanes);
   check_gemms(k);
   check_softmax(k);
   check_softmax_matches_generic(k);
   check_convert(k);
+  check_store_rows(k);
 }
 
 }  // namespace

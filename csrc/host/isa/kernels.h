@@ -552,8 +552,8 @@ void pack_b_rows(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, ui
   uint16_t const* b = static_cast<uint16_t const*>(g.b);
   if (g.b_ns == 1 && kLanes == 16) {
     int const pairs = ldo / 2;
-    for (int j = 0; j < ncols; j += 16) {
-      for (int q0 = 0; q0 < pairs; q0 += 16) {
+    for (int q0 = 0; q0 < pairs; q0 += 16) {  // 32 rows of B at a time, each read once, whole
+      for (int j = 0; j < ncols; j += 16) {
         vu rows[16], cols[16];
         for (int i = 0; i < 16; ++i) {
           int const k = 2 * (q0 + i);
@@ -621,26 +621,45 @@ FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64
   if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_STORE(3, c + 16 * ldc + 16, c_row); }
 }
 
-// Rows m0 .. m0 + MT * 16 against columns n0 .. n0 + ncols (a multiple of 16) over depth from k0.
+// A(m0 + r, k0 + 2q + {0, 1}) for r < MT * 16 as bf16 pairs at out[q * MT * 16 + r], q < the pairs of whole
+// tile steps over depth (zero past depth: B's padding is zero too, but stale pairs here could hold an inf,
+// and 0 * inf is NaN).
+template <int MT>
+void pack_a_tiles(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* out) {
+  constexpr int kRows = MT * 16;
+  int const ksteps = (depth + kTileK - 1) / kTileK;
+  pack_a_pairs<MT * 16 / kLanes>(g, m0, k0, depth, out);
+  for (int q = (depth + 1) / 2; q < ksteps * kTileK / 2; ++q) {
+    for (int r = 0; r < kRows; ++r) { out[q * kRows + r] = 0; }
+  }
+}
+
+// Rows m0 .. m0 + MT * 16 against columns n0 .. n0 + ncols (a multiple of 16) over depth from k0, A's pairs
+// packed by pack_a_tiles<MT>.
 template <int MT>
 void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, uint16_t const* b, int64_t b_row,
-               uint32_t* abuf) {
+               uint32_t const* apairs) {
   bool const zero_c = g.overwrite && k0 == 0;
   constexpr int kRows = MT * 16;
   int const ksteps = (depth + kTileK - 1) / kTileK;
-  pack_a_pairs<MT * 16 / kLanes>(g, m0, k0, depth, abuf);
-  // k past depth: zero pairs.  B's padding is zero too, but stale pairs here could hold an inf (0 * inf: NaN).
-  for (int q = (depth + 1) / 2; q < ksteps * kTileK / 2; ++q) {
-    for (int r = 0; r < kRows; ++r) { abuf[q * kRows + r] = 0; }
-  }
   float* c = g.c + m0 + int64_t(n0) * g.ldc;
   int j = 0;
   for (; j + 32 <= ncols; j += 32) {
-    tile_block<2, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps, zero_c);
+    tile_block<2, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, apairs, kRows * 4, ksteps, zero_c);
   }
   if (j < ncols) {
-    tile_block<1, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, abuf, kRows * 4, ksteps, zero_c);
+    tile_block<1, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, apairs, kRows * 4, ksteps, zero_c);
   }
+}
+
+// All of A's rows (rows, a multiple of 16) packed block by block as tile_rows reads them: the block of rows
+// m0 at out + m0 * pairs, pairs = those of depth's whole tile steps.  With the 32-row blocks first, every
+// block starts there whatever its height.
+void pack_a_all(HostGemmArgs const& g, int rows, int depth, uint32_t* out) {
+  int const pairs = (depth + kTileK - 1) / kTileK * kTileK / 2;
+  int m0 = 0;
+  for (; m0 + 32 <= rows; m0 += 32) { pack_a_tiles<2>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
+  if (m0 < rows) { pack_a_tiles<1>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
 }
 
 void gemm_bf16_tiles(HostGemmArgs const& g) {
@@ -660,7 +679,51 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
   int const kc = g.depth < 256 ? g.depth : 256;
   int const kc_padded = (kc + kTileK - 1) / kTileK * kTileK;
   int const nc_packed = kTileBScratch / kc_padded / 16 * 16;  // >= 128
+  // A packed once for all its rows where a cache holds it (HostGemmArgs::a_cache: the forward's Q, packed
+  // once per CTA instead of once per K tile; measured, docs/perf.md), else block by block below.
+  uint32_t const* cached = nullptr;
+  if (HostPackCache* const pc = g.a_cache; pc != nullptr && kc == g.depth &&
+                                           int64_t(rows) * (kc_padded / 2) * int64_t(sizeof(uint32_t)) <= pc->bytes) {
+    if (!(pc->valid && pc->key == g.a && pc->rows == rows && pc->depth == g.depth)) {
+      pack_a_all(g, rows, kc, static_cast<uint32_t*>(pc->data));
+      *pc = {pc->data, pc->bytes, g.a, rows, g.depth, true};
+    }
+    cached = static_cast<uint32_t const*>(pc->data);
+  }
   tiles_begin();
+  if (cached != nullptr && g.b_ks == 1 && kc % kTileK == 0) {
+    // A packed whole and B's rows in place (the forward's Q.K^T): blocks of 32 columns outer, so that each
+    // block of B's rows is fetched once and used by every row block while it is in L1.  Row blocks outer
+    // fetched all of B (K: 32 KiB at d = 128) again for every 32 rows, and K's rows, a head's stride apart
+    // in a (b, s, h, d) tensor, fall into a few L1 sets and do not stay (bf16 prefill 10% less time at d = 64,
+    // 2% at d = 128; docs/perf.md).
+    int const ksteps = kc / kTileK;
+    int64_t const b_row = g.b_ns * int64_t(sizeof(uint16_t));
+    for (int j = 0; j < tile_cols; j += 32) {
+      uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(j) * g.b_ns;
+      float* c = g.c + int64_t(j) * g.ldc;
+      bool const pair = j + 32 <= tile_cols;
+      int m0 = 0;
+      for (; m0 + 32 <= rows; m0 += 32) {
+        uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
+        if (pair) {
+          tile_block<2, 2>(c + m0, g.ldc, b, b_row, a, 32 * 4, ksteps, g.overwrite);
+        } else {
+          tile_block<1, 2>(c + m0, g.ldc, b, b_row, a, 32 * 4, ksteps, g.overwrite);
+        }
+      }
+      if (m0 < rows) {
+        uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
+        if (pair) {
+          tile_block<2, 1>(c + m0, g.ldc, b, b_row, a, 16 * 4, ksteps, g.overwrite);
+        } else {
+          tile_block<1, 1>(c + m0, g.ldc, b, b_row, a, 16 * 4, ksteps, g.overwrite);
+        }
+      }
+    }
+    tiles_end();
+    return;
+  }
   for (int k0 = 0; k0 < g.depth; k0 += kc) {
     int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
     int const ld = (depth + kTileK - 1) / kTileK * kTileK;
@@ -680,8 +743,14 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
         b_row = ld * int64_t(sizeof(uint16_t));
       }
       int m0 = 0;
-      for (; m0 + 32 <= rows; m0 += 32) { tile_rows<2>(g, m0, n0, k0, ncols, depth, b, b_row, abuf); }
-      if (m0 < rows) { tile_rows<1>(g, m0, n0, k0, ncols, depth, b, b_row, abuf); }
+      for (; m0 + 32 <= rows; m0 += 32) {
+        if (cached == nullptr) { pack_a_tiles<2>(g, m0, k0, depth, abuf); }
+        tile_rows<2>(g, m0, n0, k0, ncols, depth, b, b_row, cached ? cached + int64_t(m0) * (ld / 2) : abuf);
+      }
+      if (m0 < rows) {
+        if (cached == nullptr) { pack_a_tiles<1>(g, m0, k0, depth, abuf); }
+        tile_rows<1>(g, m0, n0, k0, ncols, depth, b, b_row, cached ? cached + int64_t(m0) * (ld / 2) : abuf);
+      }
     }
   }
   tiles_end();
@@ -1245,6 +1314,43 @@ void convert(float const* src, void* dst, HostDType to, int64_t n) {
   }
 }
 
+// HostKernels::store_rows: blocks of kLanes rows x kLanes columns, each column converted as a vector into a
+// small column-major tile, then copied out transposed, one output row of kLanes elements at a time.
+template <class Out>
+FLASH_EXT_INLINE void store_rows_as(float const* src, int64_t lds, Out* dst, int64_t ldd, HostDType to, int rows,
+                                    int cols) {
+  alignas(64) Out tile[kLanes][kLanes];  // tile[j][l]: row m0 + l, column j0 + j
+  for (int m0 = 0; m0 < rows; m0 += kLanes) {
+    int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
+    for (int j0 = 0; j0 < cols; j0 += kLanes) {
+      int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
+      for (int j = 0; j < jc; ++j) {
+        vf const v = vload(src + m0 + int64_t(j0 + j) * lds);
+        if constexpr (sizeof(Out) == 4) {
+          vstore(reinterpret_cast<float*>(tile[j]), v);
+        } else if (to == HostDType::kBF16) {
+          vh const h = to_bf16_bits(v);
+          __builtin_memcpy(tile[j], &h, sizeof(h));
+        } else {
+          store_f16(reinterpret_cast<uint16_t*>(tile[j]), v);
+        }
+      }
+      for (int l = 0; l < mr; ++l) {
+        Out* const out = dst + int64_t(m0 + l) * ldd + j0;
+        for (int j = 0; j < jc; ++j) { out[j] = tile[j][l]; }
+      }
+    }
+  }
+}
+
+void store_rows(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType to, int rows, int cols) {
+  if (to == HostDType::kF32) {
+    store_rows_as(src, lds, static_cast<float*>(dst), ldd, to, rows, cols);
+  } else {
+    store_rows_as(src, lds, static_cast<uint16_t*>(dst), ldd, to, rows, cols);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Dropout (HostDropoutArgs).  The contract of dropout.h, vectorised over group rows: one Philox call covers
 // kLanes consecutive group rows of one group column.  Group row 8 a + r holds query rows 16 a + r and
@@ -1321,7 +1427,9 @@ void dropout_apply(float* p, int64_t ldp, int rows, int cols, int live_rows, uin
   }
 }
 
-constexpr HostKernels kKernels{kIsa, kName, kLanes, &gemm, &softmax_rescale, &convert, &dropout_keep, &dropout_apply};
+constexpr HostKernels kKernels{kIsa,          kName,          kLanes,      &gemm,
+                               &softmax_rescale, &convert,     &dropout_keep, &dropout_apply,
+                               &store_rows,   FLASH_EXT_ISA_HAS_TILES != 0};
 
 #undef FLASH_EXT_INLINE
 
