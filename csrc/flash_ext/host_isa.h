@@ -121,6 +121,10 @@ struct HostKernels {
   // j < cols; src (column-major fp32) holds rows rounded up to a multiple of 16.  Row by row into global O,
   // where a conversion and then a transposing copy went element by element.
   void (*store_rows)(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType to, int rows, int cols);
+  // The backward's probabilities from the forward's LSE: s[m + n * lds] = exp2(s[m + n * lds] * scale_log2 -
+  // row_bias[m]) for m < rows rounded up to a whole vector, n < cols (row_bias: the rows' LSE in log2 units, +inf
+  // for a row without keys, whose probabilities are then 0), by the same exp2 as the softmax step.
+  void (*exp2_rows)(float* s, int64_t lds, int rows, int cols, float const* row_bias, float scale_log2);
   // Whether prefill reads whole bf16 K/V tiles where they lie instead of staging them (HostCtaContext::
   // kv_in_place): true where the bf16 GEMM loads K's rows by tile loads from any stride and packs V itself
   // (AMX), so the staging copy is one more pass over both.

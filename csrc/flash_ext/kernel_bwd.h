@@ -328,11 +328,15 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
                                             alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
-    CUTE_UNROLL
-    for (int i = 0; i < kNRows; ++i) {
+    if constexpr (Traits::kIsHost) {  // the whole tile at once, by the CPU level's vector exp2
+      Traits::probs_from_lse(scores, lse_log2, params.score_scale_log2);
+    } else {
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(scores); ++j) {
-        scores(i, j) = Traits::exp2(scores(i, j) * params.score_scale_log2 - lse_log2(i));
+      for (int i = 0; i < kNRows; ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(scores); ++j) {
+          scores(i, j) = Traits::exp2(scores(i, j) * params.score_scale_log2 - lse_log2(i));
+        }
       }
     }
     // dS = P * dp, in place in the dP accumulator (P undropped: the softmax saw every score).

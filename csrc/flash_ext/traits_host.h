@@ -432,6 +432,18 @@ struct HostTraits : PlainGlobalMemory {
   static void convert_contiguous(float const* in, To* out, int n) {
     host_kernels().convert(in, out, host_dtype<To>(), n);
   }
+  // The backward's P = exp2(S * scale_log2 - LSE_log2) for a whole (ROWS, COLS) tile, by the level's exp2_rows:
+  // the per-element loop of kernel_bwd.h compiled for the baseline target, one scalar exp2 at a time, was about
+  // 40% of the backward body's time (docs/perf.md).  lse_log2 holds one value per row, contiguous.
+  template <class Scores, class Lse>
+  static void probs_from_lse(Scores& scores, Lse const& lse_log2, float scale_log2) {
+    using namespace cute;
+    static_assert(host_mode_stride(layout<0>(typename Scores::layout_type{})) == 1 &&
+                      host_mode_stride(typename Lse::layout_type{}) == 1,
+                  "column-major tiles: rows contiguous");
+    host_kernels().exp2_rows(&scores(0, 0), host_mode_stride(layout<1>(scores)), int(size<0>(scores)),
+                             int(size<1>(scores)), &lse_log2(0), scale_log2);
+  }
   // The output tile (write_output): the normalised accumulator, column-major, rounded and stored row by row
   // into global O by the level's micro-kernel, instead of the conversion, shared-memory staging and copy
   // that the GPU's scattered fragments need (these went element by element here: 7-8.5% of a bf16 prefill

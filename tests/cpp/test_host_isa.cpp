@@ -489,6 +489,43 @@ void check_store_rows(HostKernels const& k) {
   std::printf("  store_rows: %d cases\n", n);
 }
 
+// The backward's probabilities (HostKernels::exp2_rows) against exp2 in double: relative error of the
+// polynomial and of rounding x * scale - bias in fp32; exactly 0 for -inf scores and for a row whose bias is
+// +inf (no keys); columns past cols untouched.
+void check_exp2_rows(HostKernels const& k) {
+  int const rows = 48, cols = 37;
+  int64_t const lds = rows + 16;
+  std::uniform_real_distribution<float> ud(-40.f, 2.f);
+  std::vector<float> s(size_t(lds) * (cols + 1)), bias(rows);
+  for (auto& x : s) { x = ud(g_rng); }
+  for (int m = 0; m < rows; ++m) { bias[m] = m == 5 ? INFINITY : 0.25f * ud(g_rng); }
+  s[3 + 2 * lds] = -INFINITY;
+  float const scale = 1.4426950f * 0.125f;
+  std::vector<float> const s0 = s;
+  k.exp2_rows(s.data(), lds, rows, cols, bias.data(), scale);
+  double worst = 0.;
+  int wrong_zero = 0, touched = 0;
+  for (int n = 0; n <= cols; ++n) {
+    for (int m = 0; m < lds; ++m) {
+      float const got = s[m + size_t(n) * lds], x = s0[m + size_t(n) * lds];
+      if (n == cols || m >= rows) {
+        touched += got != x;
+        continue;
+      }
+      if (m == 5 || std::isinf(x)) {
+        wrong_zero += got != 0.f;
+        continue;
+      }
+      double const want = std::exp2(double(x) * scale - double(bias[m]));
+      worst = std::max(worst, std::fabs(got - want) / want);
+    }
+  }
+  CHECK(worst < 2e-6 && wrong_zero == 0 && touched == 0,
+        "%s exp2_rows: relative error %.3g, %d masked or keyless probabilities not 0, %d values outside changed", k.name,
+        worst, wrong_zero, touched);
+  std::printf("  exp2_rows: max relative error %.2g\n", worst);
+}
+
 void check_level(HostKernels const& k) {
   std::printf("%s (%d lanes)\n", k.name, k.lanes);
   check_gemms(k);
@@ -496,6 +533,7 @@ void check_level(HostKernels const& k) {
   check_softmax_matches_generic(k);
   check_convert(k);
   check_store_rows(k);
+  check_exp2_rows(k);
 }
 
 }  // namespace

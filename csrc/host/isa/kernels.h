@@ -1314,6 +1314,16 @@ void convert(float const* src, void* dst, HostDType to, int64_t n) {
   }
 }
 
+void exp2_rows(float* s, int64_t lds, int rows, int cols, float const* row_bias, float scale_log2) {
+  int const vrows = (rows + kLanes - 1) / kLanes * kLanes;
+  vf const scale = vsplat(scale_log2);
+  for (int m0 = 0; m0 < vrows; m0 += kLanes) {
+    vf const bias = vload(row_bias + m0);
+    float* col = s + m0;
+    for (int n = 0; n < cols; ++n, col += lds) { vstore(col, vexp2(vload(col) * scale - bias)); }
+  }
+}
+
 // HostKernels::store_rows: blocks of kLanes rows x kLanes columns, each column converted as a vector into a
 // small column-major tile, then copied out transposed, one output row of kLanes elements at a time.
 template <class Out>
@@ -1429,7 +1439,7 @@ void dropout_apply(float* p, int64_t ldp, int rows, int cols, int live_rows, uin
 
 constexpr HostKernels kKernels{kIsa,          kName,          kLanes,      &gemm,
                                &softmax_rescale, &convert,     &dropout_keep, &dropout_apply,
-                               &store_rows,   FLASH_EXT_ISA_HAS_TILES != 0};
+                               &store_rows,   &exp2_rows,     FLASH_EXT_ISA_HAS_TILES != 0};
 
 #undef FLASH_EXT_INLINE
 
