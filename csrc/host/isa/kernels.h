@@ -728,7 +728,8 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
     int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
     int const ld = (depth + kTileK - 1) / kTileK * kTileK;
     bool const in_place = g.b_ks == 1 && depth % kTileK == 0;
-    // Columns in chunks only as far as packed B must fit its scratch: A is packed again for every chunk.
+    // Columns in chunks only as far as packed B must fit its scratch: A, unless cached, is packed again for
+    // every chunk.
     int const nc = in_place ? tile_cols : nc_packed;
     for (int n0 = 0; n0 < tile_cols; n0 += nc) {
       int const ncols = tile_cols - n0 < nc ? tile_cols - n0 : nc;
