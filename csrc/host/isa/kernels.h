@@ -702,24 +702,17 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
     for (int j = 0; j < tile_cols; j += 32) {
       uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(j) * g.b_ns;
       float* c = g.c + int64_t(j) * g.ldc;
-      bool const pair = j + 32 <= tile_cols;
+      auto block = [&]<int MT>(int m0) {  // rows m0 .. m0 + MT * 16 against this block's 32 (or last 16) columns
+        uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
+        if (j + 32 <= tile_cols) {
+          tile_block<2, MT>(c + m0, g.ldc, b, b_row, a, MT * 16 * 4, ksteps, g.overwrite);
+        } else {
+          tile_block<1, MT>(c + m0, g.ldc, b, b_row, a, MT * 16 * 4, ksteps, g.overwrite);
+        }
+      };
       int m0 = 0;
-      for (; m0 + 32 <= rows; m0 += 32) {
-        uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
-        if (pair) {
-          tile_block<2, 2>(c + m0, g.ldc, b, b_row, a, 32 * 4, ksteps, g.overwrite);
-        } else {
-          tile_block<1, 2>(c + m0, g.ldc, b, b_row, a, 32 * 4, ksteps, g.overwrite);
-        }
-      }
-      if (m0 < rows) {
-        uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
-        if (pair) {
-          tile_block<2, 1>(c + m0, g.ldc, b, b_row, a, 16 * 4, ksteps, g.overwrite);
-        } else {
-          tile_block<1, 1>(c + m0, g.ldc, b, b_row, a, 16 * 4, ksteps, g.overwrite);
-        }
-      }
+      for (; m0 + 32 <= rows; m0 += 32) { block.template operator()<2>(m0); }
+      if (m0 < rows) { block.template operator()<1>(m0); }
     }
     tiles_end();
     return;
