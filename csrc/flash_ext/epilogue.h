@@ -138,8 +138,8 @@ CUTE_HOST_DEVICE void write_output(FwdParams const& params, BlockInfo const& bin
   if constexpr (Traits::kIsHost) {  // one thread holds the whole tile: its rows go straight to global O
     store_lse<Traits>(params, binfo, lse, tidx, bidb, bidh, m_block);
     Tensor gO = output_tile<Traits>(params, binfo, bidb, bidh, m_block);                    // (BLK_M,HEAD_DIM)
-    Traits::store_o_rows(acc_o, raw_pointer_cast(gO.data()), params.o_row_stride,
-                         cute::min(binfo.seqlen_q - m_block * kBlockM, kBlockM), params.d);
+    Traits::store_acc_rows(acc_o, raw_pointer_cast(gO.data()), params.o_row_stride,
+                           cute::min(binfo.seqlen_q - m_block * kBlockM, kBlockM), params.d);
     return;
   }
 

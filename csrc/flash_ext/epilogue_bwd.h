@@ -33,6 +33,11 @@ CUTE_HOST_DEVICE void accumulate_dq(BwdParams const& params, BlockInfo const& bi
   float* const dq_tile = params.dq_accum_ptr +
                          (index_t(dq_slice) * params.h + bidh) * params.accum_rows * params.d +
                          binfo.accum_row(params, bidb, row0) * params.d;
+  if constexpr (Traits::kIsHost) {  // one thread holds the whole tile: row by row (the slice has one writer)
+    int const rows = flags.even_mn ? kBlockM : cute::min(rows_left, kBlockM);
+    Traits::add_acc_rows(acc_dq, dq_tile, params.d, rows, flags.even_k ? kHeadDim : params.d);
+    return;
+  }
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dq); ++i) {
     int const r = get<0>(tdQcdQ(i));

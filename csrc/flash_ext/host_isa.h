@@ -121,6 +121,13 @@ struct HostKernels {
   // j < cols; src (column-major fp32) holds rows rounded up to a multiple of 16.  Row by row into global O,
   // where a conversion and then a transposing copy went element by element.
   void (*store_rows)(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType to, int rows, int cols);
+  // The backward's dQ share: dst[m * ldd + j] += src[m + j * lds] for m < rows, j < cols, each a single fp32
+  // addition as the element-by-element accumulation did; src as for store_rows.
+  void (*add_rows)(float const* src, int64_t lds, float* dst, int64_t ldd, int rows, int cols);
+  // A row-major tile into a column-major one, bits unchanged: dst[m + j * ldd] = src[m * lds + j] for m < rows,
+  // j < cols, elements of elem_bytes (2 or 4).  Only those elements are read and written.  The backward's Q and
+  // dO tiles, copied into their column-major shared tiles once per query tile (element by element before).
+  void (*rows_to_columns)(void const* src, int64_t lds, void* dst, int64_t ldd, int elem_bytes, int rows, int cols);
   // The backward's probabilities from the forward's LSE: s[m + n * lds] = exp2(s[m + n * lds] * scale_log2 -
   // row_bias[m]) for m < rows rounded up to a whole vector, n < cols (row_bias: the rows' LSE in log2 units, +inf
   // for a row without keys, whose probabilities are then 0), by the same exp2 as the softmax step.

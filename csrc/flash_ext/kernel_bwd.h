@@ -46,11 +46,14 @@ CUTE_HOST_DEVICE Flags bwd_flags_from_params(BwdParams const& p) {
 }
 
 // Registers -> shared memory for P and dS: converted to ElementPdS (fp16/bf16 on the GPU, where they feed
-// tensor cores; the accumulator itself on the host, where ElementPdS is fp32).
+// tensor cores; the accumulator itself on the host, where ElementPdS is fp32, stored row by row into the
+// row-major tile: a transposing copy, by the CPU level's micro-kernel).
 template <class Traits, class Acc, class TiledCopy, class ThrCopy, class Dst>
 CUTE_HOST_DEVICE void store_pds(Acc const& acc, TiledCopy const& tiled_copy, ThrCopy const& thr_copy, Dst&& dst) {
   using ElementPdS = typename Traits::ElementPdS;
-  if constexpr (std::is_same_v<ElementPdS, typename Acc::value_type>) {
+  if constexpr (Traits::kIsHost) {
+    Traits::store_pds_rows(acc, dst);
+  } else if constexpr (std::is_same_v<ElementPdS, typename Acc::value_type>) {
     cute::copy(tiled_copy, thr_copy.retile_S(acc), dst);
   } else {
     auto r = convert_fragment<Traits, ElementPdS>(acc);

@@ -200,6 +200,36 @@ inline void copy(TiledCopy<Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>, TV, Ti
     for (int m = 0; m < kRowsAhead && m < rows; ++m) {
       prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0))));
     }
+    if constexpr (decltype(rank(coalesce(layout<1>(DLayout{}))))::value == 1 &&
+                  decltype(stride(coalesce(layout<1>(DLayout{}))))::value == 1) {
+      // A column-major tile (Q; the backward's Q and dO, once per query tile): rows become columns, kLanes
+      // rows at a time through the level's transposing micro-kernel rather than element by element.  The
+      // tile walked next is the one above (the backward's query tiles ascend).
+      using S0 = decltype(coalesce(layout<0>(SLayout{})));
+      using S2 = decltype(coalesce(layout<2>(SLayout{})));
+      using D0 = decltype(coalesce(layout<0>(DLayout{})));
+      using D2 = decltype(coalesce(layout<2>(DLayout{})));
+      static_assert(S0::rank == 1 && S2::rank == 1 && D0::rank == 1 && D2::rank == 1 &&
+                        decltype(stride(S0{}))::value == 1 && decltype(stride(S2{}))::value == N &&
+                        decltype(stride(D2{}))::value == N * decltype(stride(D0{}))::value,
+                    "whole rows of the source, whole columns of the destination");
+      constexpr int64_t kColumnStride = decltype(stride(D0{}))::value;
+      constexpr int kStep = 16;
+      flash_ext::HostKernels const& k = flash_ext::host_kernels();
+      for (int m = kRowsAhead; m < kStep && m < rows; ++m) {
+        prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0))));
+      }
+      for (int m0 = 0; m0 < rows; m0 += kStep) {
+        for (int m = m0; m < m0 + kStep && m < rows; ++m) {  // the next block's rows, and this one's next tile
+          if (m + kStep < rows) { prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m + kStep, 0)))); }
+          prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0)) + tile_step));
+        }
+        k.rows_to_columns(raw_pointer_cast(&src(0, m0, 0)), int64_t(stride<1>(src)), raw_pointer_cast(&dst(0, m0, 0)),
+                          kColumnStride, int(sizeof(T)), rows - m0 < kStep ? rows - m0 : kStep,
+                          row_bytes / int(sizeof(T)));
+      }
+      return;
+    }
     for (int m = 0; m < rows; ++m) {
       prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0)) - tile_step));
       if (m + kRowsAhead < rows) {
@@ -444,18 +474,28 @@ struct HostTraits : PlainGlobalMemory {
     host_kernels().exp2_rows(&scores(0, 0), host_mode_stride(layout<1>(scores)), int(size<0>(scores)),
                              int(size<1>(scores)), &lse_log2(0), scale_log2);
   }
-  // The output tile (write_output): the normalised accumulator, column-major, rounded and stored row by row
-  // into global O by the level's micro-kernel, instead of the conversion, shared-memory staging and copy
-  // that the GPU's scattered fragments need (these went element by element here: 7-8.5% of a bf16 prefill
-  // call's samples on the AMX level, against 3% for store_rows; docs/perf.md).
-  template <class AccO>
-  static void store_o_rows(AccO const& acc_o, Element* o, int64_t row_stride, int rows, int cols) {
+  // A (1, M, N) accumulator stored row by row, rounded to Out, by the level's store_rows: the output tile
+  // (write_output) into global O, instead of the conversion, shared-memory staging and copy that the GPU's
+  // scattered fragments need (these went element by element here: 7-8.5% of a bf16 prefill call's samples on
+  // the AMX level, against 3% for store_rows; docs/perf.md); and the backward's P and dS into their
+  // row-major shared tiles (store_pds).
+  template <class Acc, class Out>
+  static void store_acc_rows(Acc const& acc, Out* out, int64_t row_stride, int rows, int cols) {
     using namespace cute;
-    using L = typename AccO::layout_type;
+    using L = typename Acc::layout_type;
     static_assert(decltype(size<0>(L{}))::value == 1 && host_mode_stride(layout<1>(L{})) == 1,
                   "column-major tiles: rows contiguous");
-    host_kernels().store_rows(&acc_o(0), host_mode_stride(layout<2>(L{})), o, row_stride, host_dtype<Element>(), rows,
+    host_kernels().store_rows(&acc(0), host_mode_stride(layout<2>(L{})), out, row_stride, host_dtype<Out>(), rows,
                               cols);
+  }
+  // The backward's share of dQ (accumulate_dq): out(m, j) += acc(m, j), row by row, by the level's add_rows.
+  template <class Acc>
+  static void add_acc_rows(Acc const& acc, float* out, int64_t row_stride, int rows, int cols) {
+    using namespace cute;
+    using L = typename Acc::layout_type;
+    static_assert(decltype(size<0>(L{}))::value == 1 && host_mode_stride(layout<1>(L{})) == 1,
+                  "column-major tiles: rows contiguous");
+    host_kernels().add_rows(&acc(0), host_mode_stride(layout<2>(L{})), out, row_stride, rows, cols);
   }
   template <class Tensor>
   static void clear_smem(Tensor&& t) { cute::clear(t); }

@@ -73,6 +73,16 @@ struct HostBwdTraits : HostTraits<kHeadDim_, kBlockM_, kBlockN_, Element_> {
   static constexpr int kSmemPdSBytes = int(cute::cosize_v<SmemLayoutPdS>) * int(sizeof(ElementPdS));
   static constexpr int kSmemBytes = 2 * kSmemQdOBytes + 2 * kSmemKVBytes + 2 * kSmemPdSBytes;
 
+  // P or dS into its row-major shared tile (kernel_bwd.h, store_pds): dst is its (1, BLK_M, BLK_N) partition.
+  template <class Acc, class Dst>
+  static void store_pds_rows(Acc const& acc, Dst const& dst) {
+    using namespace cute;
+    static_assert(decltype(size<0>(dst))::value == 1 && host_mode_stride(layout<2>(typename Dst::layout_type{})) == 1,
+                  "row-major P/dS tiles");
+    Base::store_acc_rows(acc, raw_pointer_cast(&dst(0)), host_mode_stride(layout<1>(typename Dst::layout_type{})),
+                         int(size<1>(dst)), int(size<2>(dst)));
+  }
+
   // A dQ slice has one writer on the host (launch_host_bwd.h): a plain add is the accumulation.
   static void atomic_add(float* p, float x) { *p += x; }
 };

@@ -56,34 +56,6 @@ inline __attribute__((always_inline)) void tiles_end() { _tile_release(); }
 #define FLASH_EXT_TILE_ZERO(t) _tile_zero(t)
 #define FLASH_EXT_TILE_DOT(c, a, b) _tile_dpbf16ps(c, a, b)
 
-// out[j] lane i = in[i] lane j: 32-bit interleaves, then 64-bit ones, then two rounds of 128-bit lane shuffles.
-inline __attribute__((always_inline)) void transpose16_u32(vu const* in, vu* out) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) { r[i] = (__m512i)in[i]; }
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // r[4 i + e], 128-bit lane L: element 4 L + e of rows 4 i .. 4 i + 3.
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // Output row 4 L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e] (a 4 x 4 transpose of 128-bit lanes).
-  for (int e = 0; e < 4; ++e) {
-    __m512i const u0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
-    __m512i const u1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xee);
-    __m512i const u2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
-    __m512i const u3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xee);
-    out[e] = (vu)_mm512_shuffle_i32x4(u0, u2, 0x88);
-    out[4 + e] = (vu)_mm512_shuffle_i32x4(u0, u2, 0xdd);
-    out[8 + e] = (vu)_mm512_shuffle_i32x4(u1, u3, 0x88);
-    out[12 + e] = (vu)_mm512_shuffle_i32x4(u1, u3, 0xdd);
-  }
-}
-
 }  // namespace
 }  // namespace flash_ext
 

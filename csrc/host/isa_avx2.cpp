@@ -52,6 +52,26 @@ inline __attribute__((always_inline)) vf vsum_each(vf const* v) {
   return (vf)_mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
                            _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
+#define FLASH_EXT_ISA_HAS_TRANSPOSE 1
+// out[j] lane i = in[i] lane j: 32-bit interleaves, then 64-bit shuffles (columns j and j + 4 of four rows),
+// then the 128-bit halves of rows 0-3 and 4-7 exchanged.
+inline __attribute__((always_inline)) void vtranspose(vu const* in, vu* out) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps((__m256)in[2 * i], (__m256)in[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps((__m256)in[2 * i], (__m256)in[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // u[4 h + c], 128-bit half H: column c + 4 H of rows 4 h .. 4 h + 3
+    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0x44);
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0xee);
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xee);
+  }
+  for (int c = 0; c < 4; ++c) {
+    out[c] = (vu)_mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    out[4 + c] = (vu)_mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
 inline __attribute__((always_inline)) void store_f16(uint16_t* p, vf x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }

@@ -206,11 +206,6 @@ inline void tile_zero(int t) {
 }
 #define FLASH_EXT_TILE_ZERO(t) tile_zero(t)
 #define FLASH_EXT_TILE_DOT(c, a, b) tile_dot(c, a, b)
-inline void transpose16_u32(vu const* in, vu* out) {
-  for (int j = 0; j < 16; ++j) {
-    for (int i = 0; i < 16; ++i) { out[j][i] = in[i][j]; }
-  }
-}
 #endif
 
 }  // namespace

@@ -12,6 +12,9 @@
 #include <random>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cutlass/numeric_types.h>
 
 #include "flash_ext/host_isa.h"
@@ -489,6 +492,79 @@ void check_store_rows(HostKernels const& k) {
   std::printf("  store_rows: %d cases\n", n);
 }
 
+// The backward's dQ share (HostKernels::add_rows): every element one fp32 addition onto what dst held,
+// nothing changed past rows, cols or between the rows.
+void check_add_rows(HostKernels const& k) {
+  int const shapes[][2] = {{64, 128}, {64, 64}, {37, 40}, {16, 8}, {5, 1}, {1, 256}, {100, 24}, {64, 72}};
+  std::normal_distribution<float> nd;
+  int n = 0;
+  for (auto const& sh : shapes) {
+    int const rows = sh[0], cols = sh[1], rows_alloc = (rows + 15) / 16 * 16;
+    int64_t const lds = rows_alloc + 16, ldd = cols + 3;
+    std::vector<float> src(size_t(lds) * cols), dst(size_t(ldd) * (rows + 1));
+    for (auto& x : src) { x = nd(g_rng) * 3.f; }
+    for (auto& x : dst) { x = nd(g_rng); }
+    std::vector<float> const before = dst;
+    k.add_rows(src.data(), lds, dst.data(), ldd, rows, cols);
+    int bad = 0, outside = 0;
+    for (int m = 0; m <= rows; ++m) {
+      for (int j = 0; j < ldd; ++j) {
+        size_t const at = size_t(m) * ldd + j;
+        if (m == rows || j >= cols) {
+          outside += std::memcmp(&dst[at], &before[at], 4) != 0;
+        } else {
+          bad += dst[at] != before[at] + src[size_t(m) + size_t(j) * lds];
+        }
+      }
+    }
+    CHECK(bad == 0 && outside == 0, "%s add_rows %dx%d: %d sums wrong, %d values outside changed", k.name, rows, cols,
+          bad, outside);
+    ++n;
+  }
+  std::printf("  add_rows: %d cases\n", n);
+}
+
+// A row-major tile into a column-major one (HostKernels::rows_to_columns): every element's bits moved, nothing
+// written outside, and nothing read past a row's cols: the source ends at an inaccessible page, so a read of
+// one element too many faults.
+void check_rows_to_columns(HostKernels const& k) {
+  int const shapes[][2] = {{64, 128}, {16, 16}, {37, 40}, {5, 8}, {1, 24}, {64, 72}, {7, 3}};
+  long const page = sysconf(_SC_PAGESIZE);
+  int n = 0;
+  for (auto const& sh : shapes) {
+    int const rows = sh[0], cols = sh[1];
+    for (int esize : {2, 4}) {
+      int64_t const lds = cols + 5, ldd = rows + 7;
+      size_t const src_bytes = size_t((rows - 1) * lds + cols) * esize;
+      size_t const span = (src_bytes + page - 1) / page * page;
+      void* const map = mmap(nullptr, span + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      CHECK(map != MAP_FAILED, "mmap");
+      unsigned char* const base = static_cast<unsigned char*>(map);
+      mprotect(base + span, page, PROT_NONE);
+      unsigned char* const src = base + span - src_bytes;  // the last element ends at the guard page
+      for (size_t b = 0; b < src_bytes; ++b) { src[b] = static_cast<unsigned char>(g_rng()); }
+      std::vector<unsigned char> dst(size_t(ldd) * (cols + 1) * esize, 0xab);
+      k.rows_to_columns(src, lds, dst.data(), ldd, esize, rows, cols);
+      int bad = 0, outside = 0;
+      for (int j = 0; j <= cols; ++j) {
+        for (int m = 0; m < ldd; ++m) {
+          unsigned char const* at = dst.data() + (size_t(j) * ldd + m) * esize;
+          if (j == cols || m >= rows) {
+            for (int b = 0; b < esize; ++b) { outside += at[b] != 0xab; }
+          } else {
+            bad += std::memcmp(at, src + (size_t(m) * lds + j) * esize, esize) != 0;
+          }
+        }
+      }
+      munmap(map, span + page);
+      CHECK(bad == 0 && outside == 0, "%s rows_to_columns %dx%d of %d bytes: %d elements wrong, %d bytes written outside",
+            k.name, rows, cols, esize, bad, outside);
+      ++n;
+    }
+  }
+  std::printf("  rows_to_columns: %d cases\n", n);
+}
+
 // The backward's probabilities (HostKernels::exp2_rows) against exp2 in double: relative error of the
 // polynomial and of rounding x * scale - bias in fp32; exactly 0 for -inf scores and for a row whose bias is
 // +inf (no keys); columns past cols untouched.
@@ -533,6 +609,8 @@ void check_level(HostKernels const& k) {
   check_softmax_matches_generic(k);
   check_convert(k);
   check_store_rows(k);
+  check_add_rows(k);
+  check_rows_to_columns(k);
   check_exp2_rows(k);
 }
 

@@ -63,6 +63,37 @@ inline __attribute__((always_inline)) vf vround_even(vf x) {
   return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 inline __attribute__((always_inline)) vf vscalef(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+#define FLASH_EXT_ISA_HAS_TRANSPOSE 1
+// out[j] lane i = in[i] lane j: 32-bit interleaves, then 64-bit ones, then two rounds of 128-bit lane shuffles
+// (the maskz forms, as in vsum_each).
+inline __attribute__((always_inline)) void vtranspose(vu const* in, vu* out) {
+  __mmask16 const all = 0xffff;
+  __mmask8 const all8 = 0xff;
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) { r[i] = (__m512i)in[i]; }
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_maskz_unpacklo_epi32(all, r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_maskz_unpackhi_epi32(all, r[2 * i], r[2 * i + 1]);
+  }
+  // r[4 i + e], 128-bit lane L: element 4 L + e of rows 4 i .. 4 i + 3.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_maskz_unpacklo_epi64(all8, t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_maskz_unpackhi_epi64(all8, t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_maskz_unpacklo_epi64(all8, t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_maskz_unpackhi_epi64(all8, t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Output row 4 L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e] (a 4 x 4 transpose of 128-bit lanes).
+  for (int e = 0; e < 4; ++e) {
+    __m512i const u0 = _mm512_maskz_shuffle_i32x4(all, r[e], r[4 + e], 0x44);
+    __m512i const u1 = _mm512_maskz_shuffle_i32x4(all, r[e], r[4 + e], 0xee);
+    __m512i const u2 = _mm512_maskz_shuffle_i32x4(all, r[8 + e], r[12 + e], 0x44);
+    __m512i const u3 = _mm512_maskz_shuffle_i32x4(all, r[8 + e], r[12 + e], 0xee);
+    out[e] = (vu)_mm512_maskz_shuffle_i32x4(all, u0, u2, 0x88);
+    out[4 + e] = (vu)_mm512_maskz_shuffle_i32x4(all, u0, u2, 0xdd);
+    out[8 + e] = (vu)_mm512_maskz_shuffle_i32x4(all, u1, u3, 0x88);
+    out[12 + e] = (vu)_mm512_maskz_shuffle_i32x4(all, u1, u3, 0xdd);
+  }
+}
 inline __attribute__((always_inline)) void store_f16(uint16_t* p, vf x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtps_ph(__mmask16(0xffff), x, _MM_FROUND_TO_NEAREST_INT));
 }

@@ -38,7 +38,9 @@
 //   FLASH_EXT_TILE_ZERO(t)       tile t = 0
 //   FLASH_EXT_TILE_DOT(c, a, b)  tdpbf16ps: tile c(i, j) += sum over pairs q of a(i, q) . b(q, j), each a
 //                        bf16 pair (fp32 accumulation; subnormal inputs and outputs count as zero)
-//   transpose16_u32(in, out)     out[j] lane i = in[i] lane j, for 16 vectors
+//   FLASH_EXT_ISA_HAS_TRANSPOSE  optional, 1 where the level transposes kLanes x kLanes 32-bit lanes by
+//                        shuffles; then also
+//   vtranspose(in, out)  out[j] lane i = in[i] lane j, for kLanes vectors (else kernels.h's own, through memory)
 // Everything here has internal linkage (anonymous namespace): each level keeps its own copy, and the one
 // shared template used (philox.h's rounds) is instantiated only for a type of this namespace (host_isa.h
 // says why).  No standard-library function is called either.
@@ -74,6 +76,9 @@ namespace {
 #ifndef FLASH_EXT_ISA_HAS_SUM_EACH
 #define FLASH_EXT_ISA_HAS_SUM_EACH 0
 #endif
+#ifndef FLASH_EXT_ISA_HAS_TRANSPOSE
+#define FLASH_EXT_ISA_HAS_TRANSPOSE 0
+#endif
 
 static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16);
 static_assert(sizeof(vf) == 4 * kLanes && sizeof(vi) == 4 * kLanes && sizeof(vh) == 2 * kLanes);
@@ -101,6 +106,14 @@ FLASH_EXT_INLINE vu to_bf16_lanes(vf x) {
   return is_nan ? vu{} + 0x7fffu : rounded;
 }
 FLASH_EXT_INLINE vh to_bf16_bits(vf x) { return __builtin_convertvector(to_bf16_lanes(x), vh); }
+
+#if !FLASH_EXT_ISA_HAS_TRANSPOSE
+FLASH_EXT_INLINE void vtranspose(vu const* in, vu* out) {
+  for (int j = 0; j < kLanes; ++j) {
+    for (int i = 0; i < kLanes; ++i) { out[j][i] = in[i][j]; }
+  }
+}
+#endif
 
 // kLanes elements of type kB from p + i, as fp32; load_as_f32 is the same with the type known at run time.
 template <HostDType kB>
@@ -564,7 +577,7 @@ void pack_b_rows(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, ui
           uint16_t const* row = b + n0 + j + int64_t(k0 + k) * g.b_ks;
           rows[i] = bf16_row_pairs(row, k + 1 < depth ? row + g.b_ks : nullptr);
         }
-        transpose16_u32(rows, cols);
+        vtranspose(rows, cols);
         for (int i = 0; i < 16; ++i) { __builtin_memcpy(out + int64_t(j + i) * ldo + 2 * q0, &cols[i], sizeof(vu)); }
       }
     }
@@ -1318,30 +1331,44 @@ void exp2_rows(float* s, int64_t lds, int rows, int cols, float const* row_bias,
   }
 }
 
-// HostKernels::store_rows: blocks of kLanes rows x kLanes columns, each column converted as a vector into a
-// small column-major tile, then copied out transposed, one output row of kLanes elements at a time.
+// The row-wise moves of column-major tiles (store_rows, add_rows, rows_to_columns): blocks of kLanes rows x
+// kLanes columns, transposed in registers (vtranspose), so that every load and store is a vector along the
+// side that is contiguous in memory.  Element by element, these moves were a third of the backward body's
+// time (docs/perf.md).
+
+// Rows m0 .. m0 + kLanes - 1 of columns j0 .. j0 + jc - 1 of a column-major fp32 tile (column j at src + j * lds,
+// src pointing at element (m0, j0)), as row vectors: rows[l] lane j = element (m0 + l, j0 + j); lanes past jc are 0.
+FLASH_EXT_INLINE void load_row_block(float const* src, int64_t lds, int jc, vu* rows) {
+  vu cols[kLanes];
+  for (int j = 0; j < kLanes; ++j) { cols[j] = j < jc ? (vu)vload(src + int64_t(j) * lds) : vu{}; }
+  vtranspose(cols, rows);
+}
+
 template <class Out>
 FLASH_EXT_INLINE void store_rows_as(float const* src, int64_t lds, Out* dst, int64_t ldd, HostDType to, int rows,
                                     int cols) {
-  alignas(64) Out tile[kLanes][kLanes];  // tile[j][l]: row m0 + l, column j0 + j
   for (int m0 = 0; m0 < rows; m0 += kLanes) {
     int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
     for (int j0 = 0; j0 < cols; j0 += kLanes) {
       int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
-      for (int j = 0; j < jc; ++j) {
-        vf const v = vload(src + m0 + int64_t(j0 + j) * lds);
-        if constexpr (sizeof(Out) == 4) {
-          vstore(reinterpret_cast<float*>(tile[j]), v);
-        } else if (to == HostDType::kBF16) {
-          vh const h = to_bf16_bits(v);
-          __builtin_memcpy(tile[j], &h, sizeof(h));
-        } else {
-          store_f16(reinterpret_cast<uint16_t*>(tile[j]), v);
-        }
-      }
+      vu r[kLanes];
+      load_row_block(src + m0 + int64_t(j0) * lds, lds, jc, r);
       for (int l = 0; l < mr; ++l) {
         Out* const out = dst + int64_t(m0 + l) * ldd + j0;
-        for (int j = 0; j < jc; ++j) { out[j] = tile[j][l]; }
+        alignas(64) Out row[kLanes];
+        if constexpr (sizeof(Out) == 4) {
+          vstore(reinterpret_cast<float*>(row), (vf)r[l]);
+        } else if (to == HostDType::kBF16) {
+          vh const h = to_bf16_bits((vf)r[l]);
+          __builtin_memcpy(row, &h, sizeof(h));
+        } else {
+          store_f16(reinterpret_cast<uint16_t*>(row), (vf)r[l]);
+        }
+        if (jc == kLanes) {
+          __builtin_memcpy(out, row, sizeof(row));
+        } else {
+          for (int j = 0; j < jc; ++j) { out[j] = row[j]; }
+        }
       }
     }
   }
@@ -1352,6 +1379,69 @@ void store_rows(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType
     store_rows_as(src, lds, static_cast<float*>(dst), ldd, to, rows, cols);
   } else {
     store_rows_as(src, lds, static_cast<uint16_t*>(dst), ldd, to, rows, cols);
+  }
+}
+
+void add_rows(float const* src, int64_t lds, float* dst, int64_t ldd, int rows, int cols) {
+  for (int m0 = 0; m0 < rows; m0 += kLanes) {
+    int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
+    for (int j0 = 0; j0 < cols; j0 += kLanes) {
+      int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
+      vu r[kLanes];
+      load_row_block(src + m0 + int64_t(j0) * lds, lds, jc, r);
+      for (int l = 0; l < mr; ++l) {
+        float* const out = dst + int64_t(m0 + l) * ldd + j0;
+        if (jc == kLanes) {
+          vstore(out, vload(out) + (vf)r[l]);
+        } else {
+          vf const add = (vf)r[l];
+          for (int j = 0; j < jc; ++j) { out[j] += add[j]; }
+        }
+      }
+    }
+  }
+}
+
+// Elem: uint16_t or uint32_t, moved as bits.  A row's kLanes elements are widened to 32-bit lanes for the
+// transpose and narrowed back (16-bit elements), so one transpose serves both sizes.
+template <class Elem>
+FLASH_EXT_INLINE void rows_to_columns_as(Elem const* src, int64_t lds, Elem* dst, int64_t ldd, int rows, int cols) {
+  typedef Elem ve __attribute__((vector_size(kLanes * sizeof(Elem))));
+  for (int m0 = 0; m0 < rows; m0 += kLanes) {
+    int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
+    for (int j0 = 0; j0 < cols; j0 += kLanes) {
+      int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
+      vu r[kLanes], c[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        Elem const* const in = src + int64_t(m0 + l) * lds + j0;
+        ve e = {};
+        if (l >= mr) {
+        } else if (jc == kLanes) {
+          __builtin_memcpy(&e, in, sizeof(e));
+        } else {
+          for (int j = 0; j < jc; ++j) { e[j] = in[j]; }
+        }
+        r[l] = __builtin_convertvector(e, vu);
+      }
+      vtranspose(r, c);
+      for (int j = 0; j < jc; ++j) {
+        Elem* const out = dst + int64_t(j0 + j) * ldd + m0;
+        ve const e = __builtin_convertvector(c[j], ve);
+        if (mr == kLanes) {
+          __builtin_memcpy(out, &e, sizeof(e));
+        } else {
+          for (int l = 0; l < mr; ++l) { out[l] = e[l]; }
+        }
+      }
+    }
+  }
+}
+
+void rows_to_columns(void const* src, int64_t lds, void* dst, int64_t ldd, int elem_bytes, int rows, int cols) {
+  if (elem_bytes == 4) {
+    rows_to_columns_as(static_cast<uint32_t const*>(src), lds, static_cast<uint32_t*>(dst), ldd, rows, cols);
+  } else {
+    rows_to_columns_as(static_cast<uint16_t const*>(src), lds, static_cast<uint16_t*>(dst), ldd, rows, cols);
   }
 }
 
@@ -1431,9 +1521,10 @@ void dropout_apply(float* p, int64_t ldp, int rows, int cols, int live_rows, uin
   }
 }
 
-constexpr HostKernels kKernels{kIsa,          kName,          kLanes,      &gemm,
-                               &softmax_rescale, &convert,     &dropout_keep, &dropout_apply,
-                               &store_rows,   &exp2_rows,     FLASH_EXT_ISA_HAS_TILES != 0};
+constexpr HostKernels kKernels{kIsa,          kName,          kLanes,          &gemm,
+                               &softmax_rescale, &convert,     &dropout_keep,   &dropout_apply,
+                               &store_rows,   &add_rows,      &rows_to_columns, &exp2_rows,
+                               FLASH_EXT_ISA_HAS_TILES != 0};
 
 #undef FLASH_EXT_INLINE
 
