@@ -51,7 +51,8 @@ CUTE_HOST_DEVICE void accumulate_dq(BwdParams const& params, BlockInfo const& bi
 // acc_dk, acc_dv: (MMA, MMA_N, MMA_K) accumulators of K/V tile n_block of K/V head bidh_kv (summed over the
 // query heads of its group).  dK is scaled by softmax_scale here (dS was kept unscaled), both are converted to
 // the element type, staged through shared memory (sdK, sdV: the K and V tiles' bytes) so that global stores
-// are row-contiguous 16-byte vectors, and stored with row and column predicates.
+// are row-contiguous 16-byte vectors, and stored with row and column predicates.  The host's one thread holds
+// both whole column-major tiles and stores them row by row into global memory (HostTraits::store_acc_rows).
 // Precondition: none; the function waits until no thread still reads sK/sV.
 template <class Traits, class Flags, class AccDK, class AccDV>
 CUTE_HOST_DEVICE void write_dk_dv(BwdParams const& params, BlockInfo const& binfo, Flags const& flags, AccDK& acc_dk,
@@ -64,6 +65,23 @@ CUTE_HOST_DEVICE void write_dk_dv(BwdParams const& params, BlockInfo const& binf
   constexpr int kHeadDim = Traits::kHeadDim;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+  auto tile = [&](void* base, index_t batch_stride, index_t row_stride, index_t head_stride) {
+    Element* const ptr = static_cast<Element*>(base) + head_stride * bidh_kv +
+                         binfo.kv_tile_offset<Traits>(params, bidb, n_block, kBlockN, batch_stride, row_stride);
+    return make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                                       make_stride(row_stride, _1{})));    // (BLK_N,HEAD_DIM)
+  };
+  int const rows_left = binfo.seqlen_k - n_block * kBlockN;
+  if constexpr (Traits::kIsHost) {  // one thread holds both whole tiles: rows straight to global dK and dV
+    int const rows = cute::min(rows_left, kBlockN);
+    Traits::store_acc_rows(acc_dk, raw_pointer_cast(tile(params.dk_ptr, params.dk_batch_stride, params.dk_row_stride,
+                                                         params.dk_head_stride).data()),
+                           params.dk_row_stride, rows, params.d);
+    Traits::store_acc_rows(acc_dv, raw_pointer_cast(tile(params.dv_ptr, params.dv_batch_stride, params.dv_row_stride,
+                                                         params.dv_head_stride).data()),
+                           params.dv_row_stride, rows, params.d);
+    return;
+  }
   Tensor rdK = convert_fragment<Traits, Element>(acc_dk);                                  // (MMA,MMA_N,MMA_K)
   Tensor rdV = convert_fragment<Traits, Element>(acc_dv);                                  // (MMA,MMA_N,MMA_K)
 
@@ -79,18 +97,11 @@ CUTE_HOST_DEVICE void write_dk_dv(BwdParams const& params, BlockInfo const& binf
   // sdK/sdV were written in the MMA's thread layout and are read back in the copy's layout.
   Traits::barrier();
 
-  auto tile = [&](void* base, index_t batch_stride, index_t row_stride, index_t head_stride) {
-    Element* const ptr = static_cast<Element*>(base) + head_stride * bidh_kv +
-                         binfo.kv_tile_offset<Traits>(params, bidb, n_block, kBlockN, batch_stride, row_stride);
-    return make_tensor(make_gmem_ptr(ptr), make_layout(Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                                       make_stride(row_stride, _1{})));    // (BLK_N,HEAD_DIM)
-  };
   Tensor gdK = tile(params.dk_ptr, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
   Tensor gdV = tile(params.dv_ptr, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
   typename Traits::GmemTiledCopydKV gmem_tiled_copy_dKV;
   auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
   Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (CPY,CPY_N,CPY_K) -> (n,k)
-  int const rows_left = binfo.seqlen_k - n_block * kBlockN;
   // As in the forward epilogue, runtime even-ness is derived here rather than kept live across the main loop;
   // a static flag stays static.
   auto const full_rows = make_flag<std::remove_cv_t<decltype(flags.even_mn)>>(rows_left >= kBlockN);

@@ -231,6 +231,11 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
   Traits::cp_async_fence();
 
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
+  // Whole-tile GEMMs (the host) write S, dP and dQ outright instead of adding to cleared tiles: on the host
+  // a clear is a memset of 64 KiB per iteration at d = 128 (2.5% of a training step's samples; docs/perf.md).
+  constexpr auto kZeroAcc = cute::bool_constant<TileGemm<typename Traits::TiledMmaSdP>::value &&
+                                                TileGemm<typename Traits::TiledMmadQ>::value>{};
+  static_assert(!kZeroAcc || !Traits::kKVInRegs, "register-fragment MMAs accumulate into cleared tiles");
   for (int it = 0; it < n_iters; ++it) {
     int const bidh = head_of(it);
     int const m_block = m_block_of(it);
@@ -273,17 +278,19 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
 
     // dP = dO V^T, then S = Q K^T (dP first: the softcap derivative is folded into it while S is at hand).
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
-    clear(acc_dp);
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA,MMA_M,MMA_N)
-    clear(acc_s);
+    if constexpr (!kZeroAcc) {
+      clear(acc_dp);
+      clear(acc_s);
+    }
     if constexpr (Traits::kKVInRegs) {
       gemm_sr(acc_dp, tdPrdO, tdPrV, tdPsdO, tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO);
       gemm_sr(acc_s, tSrQ, tSrK, q_buffer(tSsQ, q_buf), tiled_mma_sdp, smem_tiled_copy_QdO, smem_thr_copy_QdO);
     } else {
       gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
-              smem_thr_copy_QdO, smem_thr_copy_KV);
+              smem_thr_copy_QdO, smem_thr_copy_KV, kZeroAcc);
       gemm_ss(acc_s, tSrQ, tSrK, q_buffer(tSsQ, q_buf), tSsK, tiled_mma_sdp, smem_tiled_copy_QdO,
-              smem_tiled_copy_KV, smem_thr_copy_QdO, smem_thr_copy_KV);
+              smem_tiled_copy_KV, smem_thr_copy_QdO, smem_thr_copy_KV, kZeroAcc);
     }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
     Tensor dp = acc_rowcol<Traits::kAccValCols>(acc_dp);                                     // (ROWS,COLS)
@@ -367,7 +374,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     }
 
     Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA,MMA_M,MMA_K)
-    clear(acc_dq);
+    if constexpr (!kZeroAcc) { clear(acc_dq); }
     if constexpr (Traits::kDSFromAcc) {
       // The dS accumulator's registers already are the A operand of dS.K (one thread, the atom's K equals
       // its N, as for P in the forward's P.V).  K^T comes from registers loaded once (kKVInRegs) or from sKt.
@@ -375,11 +382,11 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
       if constexpr (Traits::kKVInRegs) {
         cute::gemm(tiled_mma_dq, tdQrdS_acc, tdQrKt, acc_dq);
       } else {
-        gemm_rs(acc_dq, tdQrdS_acc, tdQrKt, tdQsKt, tiled_mma_dq, smem_tiled_copy_Kt, smem_thr_copy_Kt);
+        gemm_rs(acc_dq, tdQrdS_acc, tdQrKt, tdQsKt, tiled_mma_dq, smem_tiled_copy_Kt, smem_thr_copy_Kt, kZeroAcc);
       }
     } else {
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_tiled_copy_dS, smem_tiled_copy_Kt,
-              smem_thr_copy_dS, smem_thr_copy_Kt);
+              smem_thr_copy_dS, smem_thr_copy_Kt, kZeroAcc);
     }
     accumulate_dq<Traits>(params, binfo, flags, acc_dq, tidx, bidb, bidh, m_block, dq_slice);
   }

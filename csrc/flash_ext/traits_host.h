@@ -202,9 +202,10 @@ inline void copy(TiledCopy<Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>, TV, Ti
     }
     if constexpr (decltype(rank(coalesce(layout<1>(DLayout{}))))::value == 1 &&
                   decltype(stride(coalesce(layout<1>(DLayout{}))))::value == 1) {
-      // A column-major tile (Q; the backward's Q and dO, once per query tile): rows become columns, kLanes
-      // rows at a time through the level's transposing micro-kernel rather than element by element.  The
-      // tile walked next is the one above (the backward's query tiles ascend).
+      // A column-major tile (Q; the backward's Q and dO, once per query tile): rows become columns through
+      // the level's transposing micro-kernel rather than element by element, kStep rows per call (a whole
+      // block of the micro-kernel at 16-bit elements; two of 16 rows at fp32 with 16 lanes).  The tile
+      // walked next is the one above (the backward's query tiles ascend).
       using S0 = decltype(coalesce(layout<0>(SLayout{})));
       using S2 = decltype(coalesce(layout<2>(SLayout{})));
       using D0 = decltype(coalesce(layout<0>(DLayout{})));
@@ -214,7 +215,7 @@ inline void copy(TiledCopy<Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>, TV, Ti
                         decltype(stride(D2{}))::value == N * decltype(stride(D0{}))::value,
                     "whole rows of the source, whole columns of the destination");
       constexpr int64_t kColumnStride = decltype(stride(D0{}))::value;
-      constexpr int kStep = 16;
+      constexpr int kStep = 32;
       flash_ext::HostKernels const& k = flash_ext::host_kernels();
       for (int m = kRowsAhead; m < kStep && m < rows; ++m) {
         prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0))));
@@ -299,7 +300,8 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
                        a.col_stride, b.ptr, b.type, b.row_stride, b.col_stride,
                        c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc,
                        // The forward's one overwriting GEMM is Q.K^T (kernel_fwd.h, kZeroS), and its A is the Q
-                       // fragment, loaded once per CTA (kQInRegs): the same A for every K tile.
+                       // fragment, loaded once per CTA (kQInRegs): the same A for every K tile.  The backward's
+                       // overwriting GEMMs (kernel_bwd.h, kZeroAcc) run under a scope whose q_cache is null.
                        zero_acc ? ctx.q_cache : nullptr};
   host_kernels().gemm(g);
   // Rows past the live ones (rounded up to a vector) are not computed; with zero_acc they are zeroed, as a

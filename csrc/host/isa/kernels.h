@@ -1402,35 +1402,51 @@ void add_rows(float const* src, int64_t lds, float* dst, int64_t ldd, int rows, 
   }
 }
 
-// Elem: uint16_t or uint32_t, moved as bits.  A row's kLanes elements are widened to 32-bit lanes for the
-// transpose and narrowed back (16-bit elements), so one transpose serves both sizes.
+// Row m0 + l's elements j0 .. j0 + jc - 1 (0 past jc, or when l >= mr), widened to 32-bit lanes.
+template <class Elem>
+FLASH_EXT_INLINE vu row_lanes(Elem const* src, int64_t lds, int l, int mr, int jc) {
+  typedef Elem ve __attribute__((vector_size(kLanes * sizeof(Elem))));
+  ve e = {};
+  Elem const* const in = src + int64_t(l) * lds;
+  if (l >= mr) {
+  } else if (jc == kLanes) {
+    __builtin_memcpy(&e, in, sizeof(e));
+  } else {
+    for (int j = 0; j < jc; ++j) { e[j] = in[j]; }
+  }
+  return __builtin_convertvector(e, vu);
+}
+
+// Elem: uint16_t or uint32_t, moved as bits.  32-bit elements: kLanes rows x kLanes columns per transpose.
+// 16-bit elements: rows m0 + 2p and m0 + 2p + 1 interleaved into the halves of one 32-bit lane per column,
+// so that one transpose of kLanes such vectors yields, per column, 2 kLanes consecutive rows as they lie in
+// the column-major tile: half the shuffles per element of widening each row on its own.
 template <class Elem>
 FLASH_EXT_INLINE void rows_to_columns_as(Elem const* src, int64_t lds, Elem* dst, int64_t ldd, int rows, int cols) {
-  typedef Elem ve __attribute__((vector_size(kLanes * sizeof(Elem))));
-  for (int m0 = 0; m0 < rows; m0 += kLanes) {
-    int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
+  constexpr int kPack = 4 / int(sizeof(Elem));  // rows per 32-bit lane
+  constexpr int kRows = kPack * kLanes;         // rows per block
+  for (int m0 = 0; m0 < rows; m0 += kRows) {
+    int const mr = rows - m0 < kRows ? rows - m0 : kRows;
     for (int j0 = 0; j0 < cols; j0 += kLanes) {
       int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
+      Elem const* const block = src + int64_t(m0) * lds + j0;
       vu r[kLanes], c[kLanes];
-      for (int l = 0; l < kLanes; ++l) {
-        Elem const* const in = src + int64_t(m0 + l) * lds + j0;
-        ve e = {};
-        if (l >= mr) {
-        } else if (jc == kLanes) {
-          __builtin_memcpy(&e, in, sizeof(e));
+      for (int p = 0; p < kLanes; ++p) {
+        if constexpr (kPack == 1) {
+          r[p] = row_lanes(block, lds, p, mr, jc);
         } else {
-          for (int j = 0; j < jc; ++j) { e[j] = in[j]; }
+          r[p] = row_lanes(block, lds, 2 * p, mr, jc) | (row_lanes(block, lds, 2 * p + 1, mr, jc) << 16);
         }
-        r[l] = __builtin_convertvector(e, vu);
       }
       vtranspose(r, c);
       for (int j = 0; j < jc; ++j) {
         Elem* const out = dst + int64_t(j0 + j) * ldd + m0;
-        ve const e = __builtin_convertvector(c[j], ve);
-        if (mr == kLanes) {
-          __builtin_memcpy(out, &e, sizeof(e));
+        if (mr == kRows) {
+          __builtin_memcpy(out, &c[j], sizeof(vu));
         } else {
-          for (int l = 0; l < mr; ++l) { out[l] = e[l]; }
+          Elem col[kRows];
+          __builtin_memcpy(col, &c[j], sizeof(vu));
+          for (int l = 0; l < mr; ++l) { out[l] = col[l]; }
         }
       }
     }
