@@ -21,11 +21,14 @@
 
 namespace flash_ext {
 
-// Host backward tiles: 64 x 64.  Per (query tile, K/V tile) step the body runs five whole-tile GEMMs of
-// 64 x 64 x d (micro-kernel calls) and stores P and dS to their tiles; acc_dk + acc_dv (2 x 64 x d fp32) and
-// the tiles (~100-300 KB at d = 64..256) stay in L2.
+// Host backward tiles: 64 query rows x 128 keys.  Per (query tile, K/V tile) step the body runs five
+// whole-tile GEMMs (micro-kernel calls) and stores P and dS to their tiles; acc_dk + acc_dv (2 x 128 x d fp32)
+// and the tiles stay in L2.  The key extent sets the traffic: each CTA walks every query tile of its head,
+// reading Q and dO and adding into the fp32 dQ rows (12 bytes x d per query row), once per K/V tile, so 128
+// keys halve what 64 moved; on the AMX Xeon that traffic was what the copies' prefetches stalled on (a bf16
+// training step 12-15% faster than with 64 keys; 256 keys, or 128 query rows, no faster: docs/perf.md).
 inline constexpr int kHostBwdBlockM = 64;
-inline constexpr int kHostBwdBlockN = 64;
+inline constexpr int kHostBwdBlockN = 128;
 
 // Work items per problem the split count aims for: enough to keep a many-core CPU busy (and to balance causal
 // problems, where K/V tiles near the end see fewer query tiles; splits take strided tiles for that reason),
