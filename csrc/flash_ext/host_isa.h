@@ -128,10 +128,12 @@ struct HostKernels {
   // j < cols, elements of elem_bytes (2 or 4).  Only those elements are read and written.  The backward's Q and
   // dO tiles, copied into their column-major shared tiles once per query tile (element by element before).
   void (*rows_to_columns)(void const* src, int64_t lds, void* dst, int64_t ldd, int elem_bytes, int rows, int cols);
-  // The backward's probabilities from the forward's LSE: s[m + n * lds] = exp2(s[m + n * lds] * scale_log2 -
+  // The backward's probabilities from the forward's LSE: s[m + n * lds] = p = exp2(s[m + n * lds] * scale_log2 -
   // row_bias[m]) for m < rows rounded up to a whole vector, n < cols (row_bias: the rows' LSE in log2 units, +inf
-  // for a row without keys, whose probabilities are then 0), by the same exp2 as the softmax step.
-  void (*exp2_rows)(float* s, int64_t lds, int rows, int cols, float const* row_bias, float scale_log2);
+  // for a row without keys, whose probabilities are then 0), by the same exp2 as the softmax step; and, where dp
+  // is not null, dS in the same pass: dp[m + n * ldp] = p * (dp[m + n * ldp] - row_d[m]) (row_d null: p * dp).
+  void (*exp2_rows)(float* s, int64_t lds, int rows, int cols, float const* row_bias, float scale_log2, float* dp,
+                    int64_t ldp, float const* row_d);
   // Whether prefill reads whole bf16 K/V tiles where they lie instead of staging them (HostCtaContext::
   // kv_in_place): true where the bf16 GEMM loads K's rows by tile loads from any stride and packs V itself
   // (AMX), so the staging copy is one more pass over both.

@@ -324,7 +324,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
         CUTE_UNROLL
         for (int j = 0; j < size<1>(dp); ++j) { dp(i, j) = (dp(i, j) - dsum(i)) * (1.f - scores(i, j) * scores(i, j)); }
       }
-    } else {
+    } else if constexpr (!Traits::kIsHost) {  // the host subtracts D in its pass that forms P and dS, below
       CUTE_UNROLL
       for (int i = 0; i < kNRows; ++i) {
         CUTE_UNROLL
@@ -338,8 +338,9 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
                                             alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
     mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
-    if constexpr (Traits::kIsHost) {  // the whole tile at once, by the CPU level's vector exp2
-      Traits::probs_from_lse(scores, lse_log2, params.score_scale_log2);
+    // Then dS = P * dp, in place in the dP accumulator (P undropped: the softmax saw every score).
+    if constexpr (Traits::kIsHost) {  // both over the whole tile in one pass, by the CPU level's vector exp2
+      Traits::probs_and_ds(scores, dp, lse_log2, dsum, /*subtract_d=*/!flags.softcap, params.score_scale_log2);
     } else {
       CUTE_UNROLL
       for (int i = 0; i < kNRows; ++i) {
@@ -348,10 +349,9 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
           scores(i, j) = Traits::exp2(scores(i, j) * params.score_scale_log2 - lse_log2(i));
         }
       }
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) *= acc_s(i); }
     }
-    // dS = P * dp, in place in the dP accumulator (P undropped: the softmax saw every score).
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) *= acc_s(i); }
     // dV's operand is the dropped P (the 1 / (1 - p) is applied to dV once, in the epilogue).
     if (flags.dropout) { apply_dropout_bits<Traits>(acc_s, keep); }
     store_pds<Traits>(acc_s, smem_tiled_copy_PdS, smem_thr_copy_PdS, tPsP);

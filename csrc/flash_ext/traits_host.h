@@ -464,17 +464,23 @@ struct HostTraits : PlainGlobalMemory {
   static void convert_contiguous(float const* in, To* out, int n) {
     host_kernels().convert(in, out, host_dtype<To>(), n);
   }
-  // The backward's P = exp2(S * scale_log2 - LSE_log2) for a whole (ROWS, COLS) tile, by the level's exp2_rows:
-  // the per-element loop of kernel_bwd.h compiled for the baseline target, one scalar exp2 at a time, was about
-  // 40% of the backward body's time (docs/perf.md).  lse_log2 holds one value per row, contiguous.
-  template <class Scores, class Lse>
-  static void probs_from_lse(Scores& scores, Lse const& lse_log2, float scale_log2) {
+  // The backward's P = exp2(S * scale_log2 - LSE_log2) over S and dS = P * (dP - D) over dP (subtract_d false:
+  // P * dP, D already folded in by the softcap step) for a whole (ROWS, COLS) tile, in one pass of the level's
+  // exp2_rows: element by element, compiled for the baseline target (one scalar exp2 at a time), the P loop
+  // alone was about 40% of the backward body's time (docs/perf.md).  lse_log2 and dsum: one value per row,
+  // contiguous.
+  template <class Scores, class DP, class Lse, class DSum>
+  static void probs_and_ds(Scores& scores, DP& dp, Lse const& lse_log2, DSum const& dsum, bool subtract_d,
+                           float scale_log2) {
     using namespace cute;
     static_assert(host_mode_stride(layout<0>(typename Scores::layout_type{})) == 1 &&
-                      host_mode_stride(typename Lse::layout_type{}) == 1,
+                      host_mode_stride(layout<0>(typename DP::layout_type{})) == 1 &&
+                      host_mode_stride(typename Lse::layout_type{}) == 1 &&
+                      host_mode_stride(typename DSum::layout_type{}) == 1,
                   "column-major tiles: rows contiguous");
     host_kernels().exp2_rows(&scores(0, 0), host_mode_stride(layout<1>(scores)), int(size<0>(scores)),
-                             int(size<1>(scores)), &lse_log2(0), scale_log2);
+                             int(size<1>(scores)), &lse_log2(0), scale_log2, &dp(0, 0), host_mode_stride(layout<1>(dp)),
+                             subtract_d ? &dsum(0) : nullptr);
   }
   // A (1, M, N) accumulator stored row by row, rounded to Out, by the level's store_rows: the output tile
   // (write_output) into global O, instead of the conversion, shared-memory staging and copy that the GPU's

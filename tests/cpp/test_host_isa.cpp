@@ -567,39 +567,57 @@ void check_rows_to_columns(HostKernels const& k) {
 
 // The backward's probabilities (HostKernels::exp2_rows) against exp2 in double: relative error of the
 // polynomial and of rounding x * scale - bias in fp32; exactly 0 for -inf scores and for a row whose bias is
-// +inf (no keys); columns past cols untouched.
+// +inf (no keys); columns past cols untouched.  With dP given, dS = P * (dP - D) (D null: P * dP) in the same
+// pass: each the fp32 product of the P written and the fp32 difference, and dP's other elements untouched.
 void check_exp2_rows(HostKernels const& k) {
   int const rows = 48, cols = 37;
-  int64_t const lds = rows + 16;
+  int64_t const lds = rows + 16, ldp = rows + 32;
   std::uniform_real_distribution<float> ud(-40.f, 2.f);
-  std::vector<float> s(size_t(lds) * (cols + 1)), bias(rows);
-  for (auto& x : s) { x = ud(g_rng); }
-  for (int m = 0; m < rows; ++m) { bias[m] = m == 5 ? INFINITY : 0.25f * ud(g_rng); }
-  s[3 + 2 * lds] = -INFINITY;
-  float const scale = 1.4426950f * 0.125f;
-  std::vector<float> const s0 = s;
-  k.exp2_rows(s.data(), lds, rows, cols, bias.data(), scale);
+  std::normal_distribution<float> nd;
+  std::vector<float> dsum(rows);
+  for (auto& x : dsum) { x = nd(g_rng); }
   double worst = 0.;
-  int wrong_zero = 0, touched = 0;
-  for (int n = 0; n <= cols; ++n) {
-    for (int m = 0; m < lds; ++m) {
-      float const got = s[m + size_t(n) * lds], x = s0[m + size_t(n) * lds];
-      if (n == cols || m >= rows) {
-        touched += got != x;
-        continue;
+  int wrong_zero = 0, touched = 0, wrong_ds = 0;
+  for (int mode = 0; mode < 3; ++mode) {  // 0: P only; 1: dS with D; 2: dS without D
+    std::vector<float> s(size_t(lds) * (cols + 1)), bias(rows), dp(size_t(ldp) * (cols + 1));
+    for (auto& x : s) { x = ud(g_rng); }
+    for (auto& x : dp) { x = nd(g_rng) * 2.f; }
+    for (int m = 0; m < rows; ++m) { bias[m] = m == 5 ? INFINITY : 0.25f * ud(g_rng); }
+    s[3 + 2 * lds] = -INFINITY;
+    float const scale = 1.4426950f * 0.125f;
+    std::vector<float> const s0 = s, dp0 = dp;
+    k.exp2_rows(s.data(), lds, rows, cols, bias.data(), scale, mode == 0 ? nullptr : dp.data(), ldp,
+                mode == 1 ? dsum.data() : nullptr);
+    for (int n = 0; n <= cols; ++n) {
+      for (int m = 0; m < ldp; ++m) {
+        float const got_ds = dp[m + size_t(n) * ldp], x_dp = dp0[m + size_t(n) * ldp];
+        if (mode == 0 || n == cols || m >= rows) {
+          touched += std::memcmp(&got_ds, &x_dp, 4) != 0;
+          continue;
+        }
+        float const p = s[m + size_t(n) * lds];
+        float const want = p * (mode == 1 ? x_dp - dsum[m] : x_dp);
+        wrong_ds += std::memcmp(&got_ds, &want, 4) != 0;
       }
-      if (m == 5 || std::isinf(x)) {
-        wrong_zero += got != 0.f;
-        continue;
+      for (int m = 0; m < lds; ++m) {
+        float const got = s[m + size_t(n) * lds], x = s0[m + size_t(n) * lds];
+        if (n == cols || m >= rows) {
+          touched += got != x;
+          continue;
+        }
+        if (m == 5 || std::isinf(x)) {
+          wrong_zero += got != 0.f;
+          continue;
+        }
+        double const want = std::exp2(double(x) * scale - double(bias[m]));
+        worst = std::max(worst, std::fabs(got - want) / want);
       }
-      double const want = std::exp2(double(x) * scale - double(bias[m]));
-      worst = std::max(worst, std::fabs(got - want) / want);
     }
   }
-  CHECK(worst < 2e-6 && wrong_zero == 0 && touched == 0,
-        "%s exp2_rows: relative error %.3g, %d masked or keyless probabilities not 0, %d values outside changed", k.name,
-        worst, wrong_zero, touched);
-  std::printf("  exp2_rows: max relative error %.2g\n", worst);
+  CHECK(worst < 2e-6 && wrong_zero == 0 && touched == 0 && wrong_ds == 0,
+        "%s exp2_rows: relative error %.3g, %d masked or keyless probabilities not 0, %d values outside changed, "
+        "%d dS values wrong", k.name, worst, wrong_zero, touched, wrong_ds);
+  std::printf("  exp2_rows: max relative error %.2g, dS exact\n", worst);
 }
 
 void check_level(HostKernels const& k) {

@@ -1321,13 +1321,24 @@ void convert(float const* src, void* dst, HostDType to, int64_t n) {
   }
 }
 
-void exp2_rows(float* s, int64_t lds, int rows, int cols, float const* row_bias, float scale_log2) {
+void exp2_rows(float* s, int64_t lds, int rows, int cols, float const* row_bias, float scale_log2, float* dp,
+               int64_t ldp, float const* row_d) {
   int const vrows = (rows + kLanes - 1) / kLanes * kLanes;
   vf const scale = vsplat(scale_log2);
   for (int m0 = 0; m0 < vrows; m0 += kLanes) {
     vf const bias = vload(row_bias + m0);
     float* col = s + m0;
-    for (int n = 0; n < cols; ++n, col += lds) { vstore(col, vexp2(vload(col) * scale - bias)); }
+    if (dp == nullptr) {
+      for (int n = 0; n < cols; ++n, col += lds) { vstore(col, vexp2(vload(col) * scale - bias)); }
+      continue;
+    }
+    vf const d = row_d != nullptr ? vload(row_d + m0) : vf{};
+    float* dcol = dp + m0;
+    for (int n = 0; n < cols; ++n, col += lds, dcol += ldp) {
+      vf const p = vexp2(vload(col) * scale - bias);
+      vstore(col, p);
+      vstore(dcol, p * (vload(dcol) - d));
+    }
   }
 }
 
