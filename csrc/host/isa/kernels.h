@@ -1355,34 +1355,41 @@ FLASH_EXT_INLINE void load_row_block(float const* src, int64_t lds, int jc, vu* 
   vtranspose(cols, rows);
 }
 
-template <class Out>
-FLASH_EXT_INLINE void store_rows_as(float const* src, int64_t lds, Out* dst, int64_t ldd, HostDType to, int rows,
-                                    int cols) {
+// row(m, j0, jc, v) for every row m < rows and block of kLanes columns j0 .. j0 + jc - 1 of a column-major fp32
+// tile, v holding the row's elements of the block (lanes past jc 0): what store_rows and add_rows do per row.
+template <class Row>
+FLASH_EXT_INLINE void for_each_row_vector(float const* src, int64_t lds, int rows, int cols, Row&& row) {
   for (int m0 = 0; m0 < rows; m0 += kLanes) {
     int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
     for (int j0 = 0; j0 < cols; j0 += kLanes) {
       int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
       vu r[kLanes];
       load_row_block(src + m0 + int64_t(j0) * lds, lds, jc, r);
-      for (int l = 0; l < mr; ++l) {
-        Out* const out = dst + int64_t(m0 + l) * ldd + j0;
-        alignas(64) Out row[kLanes];
-        if constexpr (sizeof(Out) == 4) {
-          vstore(reinterpret_cast<float*>(row), (vf)r[l]);
-        } else if (to == HostDType::kBF16) {
-          vh const h = to_bf16_bits((vf)r[l]);
-          __builtin_memcpy(row, &h, sizeof(h));
-        } else {
-          store_f16(reinterpret_cast<uint16_t*>(row), (vf)r[l]);
-        }
-        if (jc == kLanes) {
-          __builtin_memcpy(out, row, sizeof(row));
-        } else {
-          for (int j = 0; j < jc; ++j) { out[j] = row[j]; }
-        }
-      }
+      for (int l = 0; l < mr; ++l) { row(m0 + l, j0, jc, (vf)r[l]); }
     }
   }
+}
+
+template <class Out>
+FLASH_EXT_INLINE void store_rows_as(float const* src, int64_t lds, Out* dst, int64_t ldd, HostDType to, int rows,
+                                    int cols) {
+  for_each_row_vector(src, lds, rows, cols, [&](int m, int j0, int jc, vf v) {
+    Out* const out = dst + int64_t(m) * ldd + j0;
+    alignas(64) Out row[kLanes];
+    if constexpr (sizeof(Out) == 4) {
+      vstore(reinterpret_cast<float*>(row), v);
+    } else if (to == HostDType::kBF16) {
+      vh const h = to_bf16_bits(v);
+      __builtin_memcpy(row, &h, sizeof(h));
+    } else {
+      store_f16(reinterpret_cast<uint16_t*>(row), v);
+    }
+    if (jc == kLanes) {
+      __builtin_memcpy(out, row, sizeof(row));
+    } else {
+      for (int j = 0; j < jc; ++j) { out[j] = row[j]; }
+    }
+  });
 }
 
 void store_rows(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType to, int rows, int cols) {
@@ -1394,23 +1401,14 @@ void store_rows(float const* src, int64_t lds, void* dst, int64_t ldd, HostDType
 }
 
 void add_rows(float const* src, int64_t lds, float* dst, int64_t ldd, int rows, int cols) {
-  for (int m0 = 0; m0 < rows; m0 += kLanes) {
-    int const mr = rows - m0 < kLanes ? rows - m0 : kLanes;
-    for (int j0 = 0; j0 < cols; j0 += kLanes) {
-      int const jc = cols - j0 < kLanes ? cols - j0 : kLanes;
-      vu r[kLanes];
-      load_row_block(src + m0 + int64_t(j0) * lds, lds, jc, r);
-      for (int l = 0; l < mr; ++l) {
-        float* const out = dst + int64_t(m0 + l) * ldd + j0;
-        if (jc == kLanes) {
-          vstore(out, vload(out) + (vf)r[l]);
-        } else {
-          vf const add = (vf)r[l];
-          for (int j = 0; j < jc; ++j) { out[j] += add[j]; }
-        }
-      }
+  for_each_row_vector(src, lds, rows, cols, [&](int m, int j0, int jc, vf v) {
+    float* const out = dst + int64_t(m) * ldd + j0;
+    if (jc == kLanes) {
+      vstore(out, vload(out) + v);
+    } else {
+      for (int j = 0; j < jc; ++j) { out[j] += v[j]; }
     }
-  }
+  });
 }
 
 // Row m0 + l's elements j0 .. j0 + jc - 1 (0 past jc, or when l >= mr), widened to 32-bit lanes.
