@@ -131,7 +131,8 @@ struct HostWidenCopy {
 };
 
 // Global <-> shared copies of N consecutive elements: one unaligned N-element move (memcpy) when both
-// sides are contiguous, else element by element (the copy of Q into its column-major tile, once per CTA).
+// sides are contiguous, else element by element (a partial tile's rows into a column-major tile; whole
+// tiles go through the level's transposing micro-kernel, cute::copy below).
 // No alignment is assumed of the caller's tensors on the CPU.
 template <class T, int N>
 struct HostVectorCopy {
