@@ -91,6 +91,24 @@ def test_paged_split_kv(cpu_isa: str) -> None:
     kvcache_tests.test_paged_equals_contiguous("cpu", num_splits=4)
 
 
+# Prefill on a level that reads bf16 K/V tiles in place (amx_bf16) keeps each tile, packed, for the head's
+# later row blocks on the same thread (launch_host.h, HostKvTileCache).  Cases where a wrong entry would be
+# found: query heads of one K/V group and two batch entries in a row (the cache is emptied when the K/V head
+# changes), K and V the same tensor (one address, two packed forms), and more keys than one L2 holds at
+# d = 256 (2 x 64 KiB per 128-key tile: past 4 MiB of L2, the later tiles are packed per GEMM as without a cache).
+@pytest.mark.parametrize("case", ["gqa", "k_is_v", "past_the_cache"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_prefill_kv_tiles_reused(cpu_isa: str, case: str, causal: bool) -> None:
+    if case == "past_the_cache":
+        q, k, v = make_qkv(1, 260, 4500, 2, 1, 256, torch.bfloat16, "cpu")
+    else:
+        q, k, v = make_qkv(2, 300, 700, 6, 2, 128, torch.bfloat16, "cpu")
+        if case == "k_is_v":
+            v = k
+    out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    check_close(out, lse, q, k, v, causal=causal, context=f"{cpu_isa} {case}")
+
+
 def test_level_in_use_is_reported(cpu_isa: str) -> None:
     assert flash_ext.build_info()["cpu_isa"] == cpu_isa
     q = torch.randn(1, 10, 2, 64)

@@ -54,6 +54,28 @@ struct HostPackCache {
   bool valid = false;
 };
 
+// Scratch in which a level may keep whole B operands (K and V tiles) in the form its GEMM reads in place,
+// packed once and used by every GEMM of the call that multiplies the same tile: in prefill, each K/V tile of
+// a head is the B of one GEMM per query tile (16 of them at 2048 queries), and a level that must repack V
+// (transposed into pairs) or that reads K's rows a head's stride apart (a few L1 sets) pays that again each
+// time.  Entries are found by the operand's address and shape; the cache belongs to one call and one worker
+// thread, and holds only tiles of global K/V, which no kernel writes during a call (kvcache_fwd appends
+// before it starts), so an entry never goes stale.  Slots fill in order and are never evicted: whoever owns
+// the cache empties it (`count = 0, used = 0`) when the tiles it will see next are others (the launcher, when
+// the K/V head changes); tiles that do not fit are packed as without a cache.
+struct HostTileCache {
+  struct Entry {
+    void const* key;   // B's first element
+    int64_t b_ns, b_ks;
+    int cols, depth;
+    int64_t offset;    // bytes into data
+  };
+  void* data = nullptr;
+  int64_t bytes = 0, used = 0;
+  Entry* entries = nullptr;
+  int capacity = 0, count = 0;
+};
+
 struct HostGemmArgs {
   float* c;
   int64_t ldc;
@@ -66,6 +88,7 @@ struct HostGemmArgs {
   int rows, cols, depth;
   bool overwrite = false;
   HostPackCache* a_cache = nullptr;  // A unchanged since the last call with this cache while it is valid
+  HostTileCache* b_cache = nullptr;  // B a tile of global K/V (HostTileCache), where the caller has a cache
 };
 
 // One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles: scores S
@@ -201,6 +224,7 @@ struct HostCtaContext {
   bool kv_in_place = false;
   HostTileInPlace in_place[2];  // sK and sV
   HostPackCache* q_cache = nullptr;
+  HostTileCache* kv_cache = nullptr;  // the forward launcher's, in prefill: HostGemmArgs::b_cache of in-place tiles
 };
 HostCtaContext& host_cta_context();
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 
 #include "block_info.h"
@@ -165,6 +166,30 @@ bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int b
   return warmed;
 }
 
+// A worker thread's HostTileCache for one call: room for the K and V tiles of one K/V head (seqlen_k keys, 32-deep
+// steps), up to one L2's worth (what does not fit is packed per GEMM, as without it).  A tile is packed once and
+// read by each of the head's row blocks on this thread, in place of a repacking (V, transposed into pairs) or
+// of reads of rows a head's stride apart (K) per row block.
+class HostKvTileCache {
+ public:
+  HostTileCache cache;
+  void reserve(int seqlen_k, int block_n, int head_dim) {
+    auto padded = [](int n) { return int64_t(n + 31) / 32 * 32; };
+    int const tiles = ceil_div(seqlen_k, block_n);
+    int64_t const tile_bytes = (int64_t(block_n) * padded(head_dim) + int64_t(head_dim) * padded(block_n)) * 2;
+    int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes, host_l2_bytes()) + 2 * 64;
+    storage_.reset(new char[size_t(bytes) + 64]);
+    entries_.reset(new HostTileCache::Entry[size_t(2 * tiles)]);
+    uintptr_t const base = (reinterpret_cast<uintptr_t>(storage_.get()) + 63) / 64 * 64;
+    cache = {reinterpret_cast<void*>(base), bytes, 0, entries_.get(), 2 * tiles, 0};
+  }
+  void clear() { cache.used = 0, cache.count = 0; }
+
+ private:
+  std::unique_ptr<char[]> storage_;
+  std::unique_ptr<HostTileCache::Entry[]> entries_;
+};
+
 // Installs a call's micro-kernels as this worker thread's context (host_isa.h) for the scope of one
 // parallel-for chunk, and restores what was there (a nested or earlier call's).
 class HostCtaScope {
@@ -172,6 +197,7 @@ class HostCtaScope {
   explicit HostCtaScope(HostKernels const& kernels) : ctx_(host_cta_context()), saved_(ctx_) {
     ctx_.kernels = &kernels;
     ctx_.q_cache = nullptr;
+    ctx_.kv_cache = nullptr;
   }
   ~HostCtaScope() { ctx_ = saved_; }
   HostCtaScope(HostCtaScope const&) = delete;
@@ -179,6 +205,8 @@ class HostCtaScope {
   void set_live_rows(int rows) { ctx_.live_rows = rows; }
   // The forward's: where Q.K^T may keep Q's packed form (HostPackCache) for the CTAs of this scope.
   void set_q_cache(HostPackCache* cache) { ctx_.q_cache = cache; }
+  // The forward's, in prefill: where the GEMMs may keep the K/V tiles they read in place (HostTileCache).
+  void set_kv_cache(HostTileCache* cache) { ctx_.kv_cache = cache; }
   // A forward CTA starts: its live rows, whether it reads its whole K/V tiles in place
   // (HostTraits::read_in_place; no tile does until its copy says so), and a new Q, so nothing packed from
   // the last CTA's is valid.
@@ -212,6 +240,13 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
     alignas(64) uint32_t q_pairs[Traits::kBlockM * ((Traits::kHeadDim + 31) / 32 * 16)];
     HostPackCache q_cache{q_pairs, int64_t(sizeof(q_pairs))};
     scope.set_q_cache(&q_cache);
+    // The K/V tiles of the head that this thread's run of row blocks reads in place, packed once (HostTileCache).
+    HostKvTileCache kv_cache;
+    if (prefill_in_place && !decode) {
+      kv_cache.reserve(params.seqlen_k, Traits::kBlockN, Traits::kHeadDim);
+      scope.set_kv_cache(&kv_cache.cache);
+    }
+    int64_t kv_head = -1;  // the (batch, K/V head) whose tiles kv_cache holds
     bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place
     for (int64_t i = begin; i < end; ++i) {
       int m_block = 0, n_split, bidh, bidb;
@@ -231,6 +266,10 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
         rest /= num_splits;
         bidh = int(rest % params.h);
         bidb = int(rest / params.h);
+      }
+      if (int64_t const kv = int64_t(bidb) * params.h_k + bidh / params.h_h_k_ratio; kv != kv_head) {
+        kv_cache.clear();  // its tiles are another head's now
+        kv_head = kv;
       }
       // Query rows of this tile that exist (the last tile of a sequence, a decode step's 1-16 rows).
       scope.begin_cta(BlockInfo(params, bidb).seqlen_q - m_block * Traits::kBlockM, decode ? warmed : prefill_in_place);

@@ -286,11 +286,13 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
   HostOperand b = host_operand(tB);
   static_assert(std::is_same_v<typename Acc::value_type, float>);
   HostCtaContext const& ctx = host_cta_context();
+  bool b_global = false;
   if (ctx.kv_in_place) {  // B a K/V tile left in place (HostTraits::read_in_place): its global rows instead
     for (HostTileInPlace const& t : ctx.in_place) {
       if (t.smem != nullptr && t.smem == b.ptr) {
         b.ptr = t.gmem;
         (b.row_stride == t.smem_row_stride ? b.row_stride : b.col_stride) = t.gmem_row_stride;
+        b_global = true;
       }
     }
   }
@@ -303,7 +305,10 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
                        // The forward's one overwriting GEMM is Q.K^T (kernel_fwd.h, kZeroS), and its A is the Q
                        // fragment, loaded once per CTA (kQInRegs): the same A for every K tile.  The backward's
                        // overwriting GEMMs (kernel_bwd.h, kZeroAcc) run under a scope whose q_cache is null.
-                       zero_acc ? ctx.q_cache : nullptr};
+                       zero_acc ? ctx.q_cache : nullptr,
+                       // Only a global tile may be kept: a staged one's address is the shared tile, refilled
+                       // with every K/V tile.
+                       b_global ? ctx.kv_cache : nullptr};
   host_kernels().gemm(g);
   // Rows past the live ones (rounded up to a vector) are not computed; with zero_acc they are zeroed, as a
   // cleared accumulator would hold them, rather than left as whatever the stack held.

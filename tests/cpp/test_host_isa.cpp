@@ -78,6 +78,9 @@ struct GemmCase {
   // Through an A cache (HostGemmArgs::a_cache): first holding a stale entry (A's address, but packed for other
   // rows, over garbage), which must be repacked, not used; then again from what the first call left there.
   bool cached = false;
+  // Through a B cache (HostGemmArgs::b_cache): holding a decoy entry first (B's address with another layout,
+  // over bf16 infs), which must not be found; the first call packs B into it, the second must find that.
+  bool b_cached = false;
 };
 
 void check_gemm(HostKernels const& k, GemmCase const& gc) {
@@ -106,12 +109,21 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   std::vector<uint32_t> packed(size_t(rows_alloc) * ((gc.depth + 31) / 32 * 16), 0x7f807f80u);  // bf16 pairs of inf
   HostPackCache cache{packed.data(), int64_t(packed.size() * sizeof(uint32_t)), a.ptr(), rows_alloc + 16, gc.depth,
                       true};
+  // Room for B packed as any level keeps it (rows of cols, depth in 32-deep steps, bf16) after the decoy's.
+  int64_t const b_packed_bytes = int64_t(gc.cols + 32) * ((gc.depth + 31) / 32 * 32) * 2;
+  std::vector<uint16_t> tiles(size_t(2 * b_packed_bytes / 2 + 64), 0x7f80u);
+  HostTileCache::Entry entries[2] = {{b.ptr(), b_ks, b_ns, gc.cols, gc.depth, 0}};
+  HostTileCache b_cache{tiles.data(), int64_t(tiles.size() * 2), (b_packed_bytes + 63) / 64 * 64, entries, 2, 1};
   HostGemmArgs const g{c.data(), ldc,  a.ptr(),  gc.a_type, a_ms,         a_ks,         b.ptr(),
                        gc.b_type, b_ns, b_ks,     gc.rows,   gc.cols,     gc.depth,     gc.overwrite,
-                       gc.cached ? &cache : nullptr};
-  for (int call = 0; call < (gc.cached ? 2 : 1); ++call) {
+                       gc.cached ? &cache : nullptr, gc.b_cached ? &b_cache : nullptr};
+  for (int call = 0; call < (gc.cached || gc.b_cached ? 2 : 1); ++call) {
   if (call == 1) { c = c0; }
   k.gemm(g);
+  if (gc.b_cached && call == 0) {  // a level that keeps B packed it once, past the decoy
+    CHECK(b_cache.count <= 2 && (b_cache.count == 1 || b_cache.entries[1].key == b.ptr()),
+          "%s gemm: B cache holds %d entries after one GEMM", k.name, b_cache.count);
+  }
   // A level with bf16 dot products rounds both operands of a bf16-B product to bf16.
   bool const rounds = (k.isa == HostIsa::kAvx512Bf16 || k.isa == HostIsa::kAmxBf16) && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
   double max_err = 0;
@@ -145,8 +157,9 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
   char const* const b_layout = gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)")
                                                  : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)");
-  CHECK(!nan_seen && max_err < 1e-5, "%s gemm%s%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
+  CHECK(!nan_seen && max_err < 1e-5, "%s gemm%s%s%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
         gc.overwrite ? " (overwrite)" : "", gc.cached ? (call == 0 ? " (stale cache)" : " (cached A)") : "",
+        gc.b_cached ? (call == 0 ? " (B packed)" : " (cached B)") : "",
         type_name(gc.a_type), gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), b_layout, gc.rows, gc.cols,
         gc.depth, max_err, nan_seen ? ", NaN results" : "");
   }
@@ -181,6 +194,19 @@ void check_gemms(HostKernels const& k) {
   for (auto const& s : cached_shapes) {
     for (bool wide : {false, true}) {
       check_gemm(k, GemmCase{HostDType::kF32, HostDType::kBF16, s[0], s[1], s[2], true, true, wide, true, true});
+      ++n;
+    }
+  }
+  // The prefill's K/V tile cache: K (k-contiguous, rows a head apart) with Q's A cache, and V (n-contiguous)
+  // under P (fp32, column-major), whole tiles and ragged ones.
+  int const b_cached_shapes[][3] = {{128, 128, 64}, {128, 128, 128}, {128, 128, 256}, {128, 64, 128}, {48, 300, 70},
+                                    {128, 256, 128}, {33, 13, 40}};
+  for (auto const& s : b_cached_shapes) {
+    for (bool k_contiguous : {true, false}) {
+      GemmCase gc{HostDType::kF32, HostDType::kBF16, s[0], s[1], s[2], true, k_contiguous, k_contiguous, k_contiguous,
+                  k_contiguous};
+      gc.b_cached = true;
+      check_gemm(k, gc);
       ++n;
     }
   }

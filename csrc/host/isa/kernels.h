@@ -675,6 +675,26 @@ void pack_a_all(HostGemmArgs const& g, int rows, int depth, uint32_t* out) {
   if (m0 < rows) { pack_a_tiles<1>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
 }
 
+// B's cols x depth as pack_b_rows writes it (rows of ld bf16), kept in g.b_cache (HostTileCache): packed on
+// the first GEMM that multiplies this tile, found by the later ones.  Null without a cache or room in it.
+uint16_t const* cached_b_rows(HostGemmArgs const& g, int cols, int ld) {
+  HostTileCache* const tc = g.b_cache;
+  if (tc == nullptr) { return nullptr; }
+  for (int i = 0; i < tc->count; ++i) {
+    HostTileCache::Entry const& e = tc->entries[i];
+    if (e.key == g.b && e.b_ns == g.b_ns && e.b_ks == g.b_ks && e.cols == cols && e.depth == g.depth) {
+      return reinterpret_cast<uint16_t const*>(static_cast<char const*>(tc->data) + e.offset);
+    }
+  }
+  int64_t const bytes = (int64_t(cols) * ld * int64_t(sizeof(uint16_t)) + 63) / 64 * 64;
+  if (tc->count == tc->capacity || tc->used + bytes > tc->bytes) { return nullptr; }
+  uint16_t* const out = reinterpret_cast<uint16_t*>(static_cast<char*>(tc->data) + tc->used);
+  pack_b_rows(g, 0, 0, cols, g.depth, out, ld);
+  tc->entries[tc->count++] = {g.b, g.b_ns, g.b_ks, cols, g.depth, tc->used};
+  tc->used += bytes;
+  return out;
+}
+
 void gemm_bf16_tiles(HostGemmArgs const& g) {
   int const tile_cols = g.cols / 16 * 16;
   if (tile_cols < g.cols) {  // the last few columns
@@ -703,17 +723,21 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
     }
     cached = static_cast<uint32_t const*>(pc->data);
   }
+  // B packed once for every GEMM of the call that multiplies it, where a cache holds it (HostGemmArgs::b_cache:
+  // the prefill's global K/V tiles).
+  uint16_t const* const b_packed = kc == g.depth ? cached_b_rows(g, tile_cols, kc_padded) : nullptr;
   tiles_begin();
-  if (cached != nullptr && g.b_ks == 1 && kc % kTileK == 0) {
+  if (cached != nullptr && (b_packed != nullptr || (g.b_ks == 1 && kc % kTileK == 0))) {
     // A packed whole and B's rows in place (the forward's Q.K^T): blocks of 32 columns outer, so that each
     // block of B's rows is fetched once and used by every row block while it is in L1.  Row blocks outer
     // fetched all of B (K: 32 KiB at d = 128) again for every 32 rows, and K's rows, a head's stride apart
     // in a (b, s, h, d) tensor, fall into a few L1 sets and do not stay (bf16 prefill 10% less time at d = 64,
     // 2% at d = 128; docs/perf.md).
-    int const ksteps = kc / kTileK;
-    int64_t const b_row = g.b_ns * int64_t(sizeof(uint16_t));
+    int const ksteps = kc_padded / kTileK;
+    int64_t const b_ld = b_packed != nullptr ? kc_padded : g.b_ns;  // elements from B's row n to n + 1
+    int64_t const b_row = b_ld * int64_t(sizeof(uint16_t));
     for (int j = 0; j < tile_cols; j += 32) {
-      uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(j) * g.b_ns;
+      uint16_t const* b = (b_packed != nullptr ? b_packed : static_cast<uint16_t const*>(g.b)) + int64_t(j) * b_ld;
       float* c = g.c + int64_t(j) * g.ldc;
       auto block = [&]<int MT>(int m0) {  // rows m0 .. m0 + MT * 16 against this block's 32 (or last 16) columns
         uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
@@ -736,12 +760,15 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
     bool const in_place = g.b_ks == 1 && depth % kTileK == 0;
     // Columns in chunks only as far as packed B must fit its scratch: A, unless cached, is packed again for
     // every chunk.
-    int const nc = in_place ? tile_cols : nc_packed;
+    int const nc = in_place || b_packed != nullptr ? tile_cols : nc_packed;
     for (int n0 = 0; n0 < tile_cols; n0 += nc) {
       int const ncols = tile_cols - n0 < nc ? tile_cols - n0 : nc;
       uint16_t const* b;
       int64_t b_row;  // bytes
-      if (in_place) {  // B's rows used in place
+      if (b_packed != nullptr) {  // one chunk: kc == depth, and packed B is used in place
+        b = b_packed + int64_t(n0) * ld;
+        b_row = ld * int64_t(sizeof(uint16_t));
+      } else if (in_place) {  // B's rows used in place
         b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
         b_row = g.b_ns * int64_t(sizeof(uint16_t));
       } else {
