@@ -110,6 +110,27 @@ void gemm_sr(Acc&, FragA&, FragB const&, SmemA const&, TiledMma const&, CopyA co
   static_assert(!TileGemm<TiledMma>::value, "whole-tile GEMMs read B where it lives: use gemm_ss (kKVInRegs = false)");
 }
 
+// An accumulator tile of TiledMma over `shape`: partition_fragment_C's, except on the host, where its array is
+// left uninitialised.  cute's owning tensor value-initialises its array when constructed: free in registers,
+// but on the host a memset of the whole tile in memory (64 KiB for a 128 x 128 S, once per K/V tile; 6% of a
+// bf16 prefill's time on AMX, docs/perf.md).  The body writes every accumulator before reading it: a clear,
+// or on the host an overwriting first GEMM (kZeroS, kZeroAcc).
+template <class T, size_t N>
+struct UninitializedArrayEngine : cute::ArrayEngine<T, N> {
+  UninitializedArrayEngine() {}  // user-provided: value-initialisation calls it, and it leaves the array as is
+};
+
+template <class Traits, class TiledMma, class Shape>
+CUTE_HOST_DEVICE auto make_acc_fragment(TiledMma const& tiled_mma, Shape const& shape) {
+  if constexpr (Traits::kIsHost) {
+    using Acc = decltype(cute::partition_fragment_C(tiled_mma, shape));
+    using Layout = typename Acc::layout_type;
+    return cute::Tensor<UninitializedArrayEngine<typename Acc::value_type, cute::cosize_v<Layout>>, Layout>{};
+  } else {
+    return cute::partition_fragment_C(tiled_mma, shape);
+  }
+}
+
 // ((cols, rows), MMA_M, MMA_N) accumulator -> ((rows, MMA_M), (cols, MMA_N)): the (row, column) view that
 // softmax and masking index.  kAccValCols is how many adjacent columns of one row an atom gives a thread.
 template <int kAccValCols, class Layout>

@@ -99,7 +99,8 @@ struct HostGemmArgs {
 // it is a score the row has seen, at most kHostSoftmaxSlack below its maximum (a first tile sets it to the
 // tile's maximum), and -inf while the row has seen only masked keys.  What the kernel derives, O / row_sum
 // and the LSE row_max * scale + log2(row_sum), is the same up to rounding.  row_max/row_sum hold one value per
-// row.  Rows are processed a vector at a time, as in HostGemmArgs.
+// row.  Rows are processed a vector at a time, as in HostGemmArgs.  With `first`, row_max, row_sum and O are
+// neither read nor written before the step sets them (O not at all: the body's first P.V writes it).
 inline constexpr float kHostSoftmaxSlack = 8.f;  // log2 units: probabilities <= 256
 struct HostSoftmaxArgs {
   float* s;

@@ -105,8 +105,8 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
 
   typename Traits::TiledMmadKV tiled_mma_dkv;
   auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
-  Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA,MMA_N,MMA_K)
-  Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA,MMA_N,MMA_K)
+  Tensor acc_dk = make_acc_fragment<Traits>(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA,MMA_N,MMA_K)
+  Tensor acc_dv = make_acc_fragment<Traits>(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA,MMA_N,MMA_K)
   clear(acc_dk);
   clear(acc_dv);
 
@@ -277,8 +277,8 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     }
 
     // dP = dO V^T, then S = Q K^T (dP first: the softcap derivative is folded into it while S is at hand).
-    Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
-    Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA,MMA_M,MMA_N)
+    Tensor acc_dp = make_acc_fragment<Traits>(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
+    Tensor acc_s = make_acc_fragment<Traits>(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA,MMA_M,MMA_N)
     if constexpr (!kZeroAcc) {
       clear(acc_dp);
       clear(acc_s);
@@ -373,7 +373,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
       Traits::cp_async_fence();
     }
 
-    Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA,MMA_M,MMA_K)
+    Tensor acc_dq = make_acc_fragment<Traits>(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA,MMA_M,MMA_K)
     if constexpr (!kZeroAcc) { clear(acc_dq); }
     if constexpr (Traits::kDSFromAcc) {
       // The dS accumulator's registers already are the A operand of dS.K (one thread, the atom's K equals

@@ -57,14 +57,19 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (MMA,MMA_M,MMA_K)
+  Tensor acc_o = make_acc_fragment<Traits>(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (MMA,MMA_M,MMA_K)
   Tensor acc_o_rc = acc_rowcol<Traits::kAccValCols>(acc_o);                                 // (ROWS,COLS)
   constexpr int kNRows = decltype(size<0>(acc_o_rc))::value;
-  clear(acc_o);
+  // S = Q.K^T and O = P.V start from zero: cleared registers on the GPU.  Whole-tile GEMMs (the host, whose
+  // accumulators are tiles in memory: 64 KiB each at 128 x 128) start their own tiles from zero instead of
+  // writing a cleared tile and reading it straight back: every S, and O at its first P.V.
+  constexpr auto kZeroS = cute::bool_constant<TileGemm<typename Traits::TiledMma>::value>{};
+  if constexpr (!kZeroS) { clear(acc_o); }
 
   // No key is visible to any row of this tile (causal with seqlen_q > seqlen_k, narrow windows, a split
   // past the diagonal): O = 0 and LSE = +inf (a split partial: -inf), without touching K or V.
   if (n_max <= n_min) {
+    if constexpr (kZeroS) { clear(acc_o); }
     Tensor lse = make_tensor<float>(Shape<Int<kNRows>>{});
     fill(lse, empty_lse());
     write_output<Traits>(params, binfo, flags, acc_o, lse, smem, tidx, bidb, bidh, m_block, n_split);
@@ -146,12 +151,9 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   // diagonal), then the fully visible ones, which skip the mask, then the left edge of a local window.  One
   // loop with a CTA-uniform branch rather than three copies of the body: the copies cost registers (hd 256
   // spilled) and compile time, and the static "even" variant has no mask code at all (any_mask is false).
-  // S = Q.K^T starts from zero: cleared registers on the GPU; a whole-tile GEMM (the host) starts its own
-  // tiles from zero instead of writing a cleared tile to memory and reading it straight back.
-  constexpr auto kZeroS = cute::bool_constant<TileGemm<typename Traits::TiledMma>::value>{};
   bool first_tile = true;  // carried, not n_block == n_max - 1: n_max need not stay live across the loop
   for (; n_block >= n_min; --n_block) {
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
+    Tensor acc_s = make_acc_fragment<Traits>(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
     if constexpr (!kZeroS) { clear(acc_s); }
 
     // K(n_block) has landed and is visible to all threads; and every thread has finished the previous
@@ -195,7 +197,10 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
       step_left(tVgV, params.v_batch_stride, params.v_row_stride, n_block - 1);
     }
 
+    // On the host, O is not cleared (kZeroS): what rescale_o does to it at the first tile, the first P.V
+    // overwrites.
     softmax.rescale_o(scores, acc_o_rc, params.score_scale_log2, first_tile);
+    [[maybe_unused]] bool const first_pv = first_tile;
     first_tile = false;
     // Dropout zeroes probabilities after the row sums took them in: the LSE is that of the undropped softmax.
     // The mask's Philox rounds are issued here, after Q.K^T, not beside it: interleaved with the GEMM their
@@ -211,7 +216,11 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
 
     // P goes straight from the accumulator registers into the A operand of P.V.
     Tensor tOrP = make_p_operand<Traits>(acc_s);                                              // (MMA,MMA_M,MMA_K)
-    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    if constexpr (kZeroS) {
+      TileGemm<typename Traits::TiledMma>::rs(acc_o, tOrP, tOsVt, first_pv);
+    } else {
+      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    }
   }
 
   Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, empty_lse(), flags.dropout, params.dropout_scale);

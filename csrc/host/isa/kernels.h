@@ -1299,7 +1299,7 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
         vf const correction = moves ? (ref == neg_inf ? vf{} : vexp2(ref_scaled - new_ref_scaled)) : vsplat(1.f);
         for (int j = 0; j < n; ++j) { vstore(s + j * lds, vload(s + j * lds) * correction); }
         sum *= correction;
-        if (!first) {  // the first tile's O is the cleared accumulator
+        if (!first) {  // the first tile's O is not there yet: the first P.V writes it (kernel_fwd.h)
           float* const o = a.o + m0;
           for (int j = 0; j < o_cols; ++j) { vstore(o + j * ldo, vload(o + j * ldo) * correction); }
         }
