@@ -114,6 +114,12 @@ struct HostSoftmaxArgs {
   int rows;
   float scale_log2;
   bool first;
+  // Where a level whose bf16 GEMM packs its A operand (AMX: pairs of keys per row, as pack_a_tiles lays them
+  // out) may also leave the probabilities in that form, rounded as that GEMM would round them, for the P.V
+  // that follows: packed here from the final fp32 values while they are in L1, rather than read back from the
+  // whole S tile by the GEMM.  A level that does sets it valid with key s, rows rounded up to 16 and depth
+  // cols; else it leaves it as it was (invalid: the caller clears `valid` first).  Null: S only.
+  HostPackCache* p_pairs = nullptr;
 };
 
 // Dropout's keep bits of one tile (the mask contract of dropout.h, evaluated kLanes group rows per Philox
@@ -226,6 +232,7 @@ struct HostCtaContext {
   HostTileInPlace in_place[2];  // sK and sV
   HostPackCache* q_cache = nullptr;
   HostTileCache* kv_cache = nullptr;  // the forward launcher's, in prefill: HostGemmArgs::b_cache of in-place tiles
+  HostPackCache* p_cache = nullptr;   // the forward launcher's, in prefill without dropout: HostSoftmaxArgs::p_pairs
 };
 HostCtaContext& host_cta_context();
 

@@ -198,6 +198,7 @@ class HostCtaScope {
     ctx_.kernels = &kernels;
     ctx_.q_cache = nullptr;
     ctx_.kv_cache = nullptr;
+    ctx_.p_cache = nullptr;
   }
   ~HostCtaScope() { ctx_ = saved_; }
   HostCtaScope(HostCtaScope const&) = delete;
@@ -207,6 +208,9 @@ class HostCtaScope {
   void set_q_cache(HostPackCache* cache) { ctx_.q_cache = cache; }
   // The forward's, in prefill: where the GEMMs may keep the K/V tiles they read in place (HostTileCache).
   void set_kv_cache(HostTileCache* cache) { ctx_.kv_cache = cache; }
+  // The forward's, in prefill without dropout (which changes P after the softmax step): where the softmax step
+  // may leave P packed for P.V (HostSoftmaxArgs::p_pairs).
+  void set_p_cache(HostPackCache* cache) { ctx_.p_cache = cache; }
   // A forward CTA starts: its live rows, whether it reads its whole K/V tiles in place
   // (HostTraits::read_in_place; no tile does until its copy says so), and a new Q, so nothing packed from
   // the last CTA's is valid.
@@ -215,6 +219,7 @@ class HostCtaScope {
     ctx_.kv_in_place = kv_in_place;
     for (HostTileInPlace& t : ctx_.in_place) { t = {}; }
     if (ctx_.q_cache != nullptr) { ctx_.q_cache->valid = false; }
+    if (ctx_.p_cache != nullptr) { ctx_.p_cache->valid = false; }
   }
 
  private:
@@ -242,9 +247,13 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
     scope.set_q_cache(&q_cache);
     // The K/V tiles of the head that this thread's run of row blocks reads in place, packed once (HostTileCache).
     HostKvTileCache kv_cache;
+    // P as bf16 pairs of keys over whole 32-deep steps (HostSoftmaxArgs::p_pairs).
+    alignas(64) uint32_t p_pairs[Traits::kBlockM * ((Traits::kBlockN + 31) / 32 * 16)];
+    HostPackCache p_cache{p_pairs, int64_t(sizeof(p_pairs))};
     if (prefill_in_place && !decode) {
       kv_cache.reserve(params.seqlen_k, Traits::kBlockN, Traits::kHeadDim);
       scope.set_kv_cache(&kv_cache.cache);
+      if (!flags.dropout) { scope.set_p_cache(&p_cache); }
     }
     int64_t kv_head = -1;  // the (batch, K/V head) whose tiles kv_cache holds
     bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place

@@ -299,17 +299,26 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
   // Column-major fp32 accumulators: the layout of partition_fragment_C for the 1x1x1 atom.
   static_assert(host_mode_stride(cute::layout<1>(typename Acc::layout_type{})) == 1);
   int const live = ctx.live_rows;
+  // A's packed form, where one is kept.  P, left packed by the softmax step (HostSoftmaxArgs::p_pairs; valid
+  // until this GEMM consumes it, since the next S reuses its storage).  Else Q: the forward's Q.K^T overwrites
+  // S (kernel_fwd.h, kZeroS), and its A is the Q fragment, loaded once per CTA (kQInRegs), the same for every
+  // K tile: the CTA's first overwriting GEMM packs it into the invalid cache, the later Q.K^T find it there
+  // (the first P.V also overwrites, O, but its A is P, not the cache's key).  The backward's overwriting GEMMs
+  // (kernel_bwd.h, kZeroAcc) run under a scope whose caches are null.
+  HostPackCache* a_cache = nullptr;
+  if (HostPackCache* const p = ctx.p_cache; p != nullptr && p->valid && p->key == a.ptr) {
+    a_cache = p;
+  } else if (HostPackCache* const q = ctx.q_cache; zero_acc && q != nullptr && (!q->valid || q->key == a.ptr)) {
+    a_cache = q;
+  }
   HostGemmArgs const g{static_cast<float*>(const_cast<void*>(c.ptr)), c.col_stride, a.ptr, a.type, a.row_stride,
                        a.col_stride, b.ptr, b.type, b.row_stride, b.col_stride,
-                       c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc,
-                       // The forward's one overwriting GEMM is Q.K^T (kernel_fwd.h, kZeroS), and its A is the Q
-                       // fragment, loaded once per CTA (kQInRegs): the same A for every K tile.  The backward's
-                       // overwriting GEMMs (kernel_bwd.h, kZeroAcc) run under a scope whose q_cache is null.
-                       zero_acc ? ctx.q_cache : nullptr,
+                       c.rows < live ? c.rows : live, c.cols, a.cols, zero_acc, a_cache,
                        // Only a global tile may be kept: a staged one's address is the shared tile, refilled
                        // with every K/V tile.
                        b_global ? ctx.kv_cache : nullptr};
   host_kernels().gemm(g);
+  if (a_cache != nullptr && a_cache == ctx.p_cache) { a_cache->valid = false; }
   // Rows past the live ones (rounded up to a vector) are not computed; with zero_acc they are zeroed, as a
   // cleared accumulator would hold them, rather than left as whatever the stack held.
   int const computed = (g.rows + 15) / 16 * 16;
@@ -533,9 +542,11 @@ struct HostTraits : PlainGlobalMemory {
     if (first) {  // rows the micro-kernel skips (past the live rows) reach finalize() as rows without keys
       for (int i = live; i < rows; ++i) { row_max(i) = -INFINITY, row_sum(i) = 0.f; }
     }
+    HostPackCache* const p_cache = host_cta_context().p_cache;
+    if (p_cache != nullptr) { p_cache->valid = false; }
     HostSoftmaxArgs const a{&scores(0, 0), host_mode_stride(layout<1>(scores)), int(size<1>(scores)),
                             &acc_o(0, 0), host_mode_stride(layout<1>(acc_o)), int(size<1>(acc_o)),
-                            &row_max(0), &row_sum(0), rows < live ? rows : live, scale_log2, first};
+                            &row_max(0), &row_sum(0), rows < live ? rows : live, scale_log2, first, p_cache};
     host_kernels().softmax_rescale(a);
   }
 };

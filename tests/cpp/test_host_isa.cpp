@@ -239,14 +239,39 @@ void check_softmax(HostKernels const& k) {
         if (m == 30 && step == 0) { s[m + n * lds] = 2.f * n; }       // a first tile rising far past its first score
         if (m == 33 && step == 3 && n == cols - 1) { s[m + n * lds] = 200.f; }  // a move at the last column
         if (m == 34 && step >= 2) { s[m + n * lds] = prev_ref[m] + (n == 17 ? 40.f : -1.f); }  // above, within the slack
+        // Moves in the middle of a tile (80 * scale: past the slack), at an even and at an odd column, in row
+        // vectors (of 16 rows) where no other row moves at an earlier column (a vector's rows move together, each
+        // to the maximum of the rest of its row).
+        if (m == 35 && step >= 2) { s[m + n * lds] = prev_ref[m] + (n == 30 ? 80.f : -1.f); }
+        if (m == 25 && step >= 3) { s[m + n * lds] = prev_ref[m] + (n == 45 ? 80.f : -1.f); }
       }
     }
     if (first) {
       for (int i = 0; i < ldo * o_cols; ++i) { o[i] = o_init[i] = nd(g_rng); }
     }
     std::vector<float> const s_in = s;
-    HostSoftmaxArgs const args{s.data(), lds, cols, o.data(), ldo, o_cols, mx.data(), sm.data(), rows, scale, first};
+    // P as the AMX level's tile GEMM packs its A (HostSoftmaxArgs::p_pairs), over stale garbage.
+    int const pairs = (cols + 31) / 32 * 16;
+    std::vector<uint32_t> packed(size_t(rows_alloc) * pairs, 0xdeadbeefu);
+    HostPackCache pc{packed.data(), int64_t(packed.size() * 4), nullptr, 0, 0, false};
+    HostSoftmaxArgs const args{s.data(), lds, cols, o.data(), ldo, o_cols, mx.data(), sm.data(), rows, scale, first, &pc};
     k.softmax_rescale(args);
+    // A level with bf16 tiles (the only ones whose prefill reads K/V in place) leaves P packed; every pair is the
+    // two probabilities it wrote to S, each rounded to nearest-even bf16, in pack_a_all's blocks of 32 then 16 rows.
+    CHECK(pc.valid == k.bf16_kv_in_place, "%s softmax step %d: P %s packed", k.name, step, pc.valid ? "was" : "was not");
+    if (pc.valid) {
+      CHECK(pc.key == s.data() && pc.rows == rows_alloc && pc.depth == cols, "%s softmax step %d: packed P's key, rows %d or depth %d",
+            k.name, step, pc.rows, pc.depth);
+      int bad = 0;
+      for (int m = 0; m < rows_alloc; ++m) {
+        int const block = m / 32 * 32, height = block + 32 <= rows_alloc ? 32 : 16;
+        for (int q = 0; q < pairs; ++q) {
+          auto bits = [&](int n) { return n < cols ? uint32_t(cutlass::bfloat16_t(s[m + n * lds]).raw()) : 0u; };
+          bad += packed[size_t(block) * pairs + size_t(q) * height + (m - block)] != (bits(2 * q) | bits(2 * q + 1) << 16);
+        }
+      }
+      CHECK(bad == 0, "%s softmax step %d: %d packed pairs differ from S rounded to bf16", k.name, step, bad);
+    }
     for (int m = 0; m < rows; ++m) {
       double tile_max = -INFINITY;
       for (int n = 0; n < cols; ++n) { tile_max = std::max(tile_max, double(s_in[m + n * lds])); }

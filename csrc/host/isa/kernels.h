@@ -1274,8 +1274,27 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
   vf const scale = vsplat(a.scale_log2);
   vf const neg_inf = vsplat(-__builtin_inff());
   vf const slack = vsplat(kHostSoftmaxSlack);
+#if FLASH_EXT_ISA_HAS_TILES
+  // P left as pack_a_all lays out A for the tile GEMM: blocks of 32 rows, then one of 16, each [pair][row].
+  int const pairs = (cols + kTileK - 1) / kTileK * (kTileK / 2);
+  uint32_t* const p_pairs = a.p_pairs != nullptr && int64_t(rows) * pairs * 4 <= a.p_pairs->bytes
+                                ? static_cast<uint32_t*>(a.p_pairs->data)
+                                : nullptr;
+#endif
   for (int m0 = 0; m0 < rows; m0 += kLanes) {
     float* const s = a.s + m0;
+#if FLASH_EXT_ISA_HAS_TILES
+    // Pairs from the registers as the columns are computed: S's columns are 512 bytes apart at 128 rows, so a
+    // row vector's 128 columns fall into 8 of L1's 64 sets and are gone by the time a second pass reads them.
+    bool const pack = p_pairs != nullptr;
+    int const block = m0 / 32 * 32, height = block + 32 <= rows ? 32 : 16;
+    uint32_t* const pair_out = pack ? p_pairs + int64_t(block) * pairs + (m0 - block) : nullptr;
+    auto const put_pair = [&](int q, vf even, vf odd) {
+      vu const pair = vbf16_pairs(even, odd);
+      __builtin_memcpy(pair_out + q * height, &pair, sizeof(pair));
+    };
+    vf p_even{};  // the last even column's probabilities, until its odd neighbour comes
+#endif
     vf ref = first ? neg_inf : vload(a.row_max + m0);
     vf ref_scaled = safe_scaled(ref, scale, neg_inf);
     // A row moves when x * scale - ref_scaled exceeds its limit: the slack, or -inf while the reference is
@@ -1298,6 +1317,12 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
         // zero: nothing to keep, and never inf * 0); 1 elsewhere (exact: those lanes are unchanged).
         vf const correction = moves ? (ref == neg_inf ? vf{} : vexp2(ref_scaled - new_ref_scaled)) : vsplat(1.f);
         for (int j = 0; j < n; ++j) { vstore(s + j * lds, vload(s + j * lds) * correction); }
+#if FLASH_EXT_ISA_HAS_TILES
+        if (pack) {  // the pairs written so far again, from the rescaled columns (the same fp32 products)
+          for (int q = 0; q < n / 2; ++q) { put_pair(q, vload(s + 2 * q * lds), vload(s + (2 * q + 1) * lds)); }
+          p_even *= correction;
+        }
+#endif
         sum *= correction;
         if (!first) {  // the first tile's O is not there yet: the first P.V writes it (kernel_fwd.h)
           float* const o = a.o + m0;
@@ -1311,10 +1336,27 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
       vf const p = vexp2(y);
       vstore(sn, p);
       sum += p;
+#if FLASH_EXT_ISA_HAS_TILES
+      if (pack) {
+        if (n & 1) {
+          put_pair(n / 2, p_even, p);
+        } else {
+          p_even = p;
+        }
+      }
+#endif
     }
     vstore(a.row_max + m0, ref);
     vstore(a.row_sum + m0, sum);
+#if FLASH_EXT_ISA_HAS_TILES
+    if (pack) {  // an odd last column pairs with zero, and whole 32-deep steps are zero past the columns
+      for (int q = cols / 2; q < pairs; ++q) { put_pair(q, 2 * q < cols ? p_even : vf{}, vf{}); }
+    }
+#endif
   }
+#if FLASH_EXT_ISA_HAS_TILES
+  if (p_pairs != nullptr) { *a.p_pairs = {a.p_pairs->data, a.p_pairs->bytes, a.s, rows, cols, true}; }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------
