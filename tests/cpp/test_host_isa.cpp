@@ -202,11 +202,11 @@ void check_gemms(HostKernels const& k) {
   int const b_cached_shapes[][3] = {{128, 128, 64}, {128, 128, 128}, {128, 128, 256}, {128, 64, 128}, {48, 300, 70},
                                     {128, 256, 128}, {33, 13, 40}};
   for (auto const& s : b_cached_shapes) {
-    for (bool k_contiguous : {true, false}) {
-      GemmCase gc{HostDType::kF32, HostDType::kBF16, s[0], s[1], s[2], true, k_contiguous, k_contiguous, k_contiguous,
-                  k_contiguous};
-      gc.b_cached = true;
-      check_gemm(k, gc);
+    for (bool k_contiguous : {true, false}) {  // K under Q.K^T (overwriting, Q cached), else V under P.V
+      check_gemm(k, GemmCase{.a_type = HostDType::kF32, .b_type = HostDType::kBF16, .rows = s[0], .cols = s[1],
+                             .depth = s[2], .a_col_major = true, .b_k_contiguous = k_contiguous,
+                             .b_wide = k_contiguous, .overwrite = k_contiguous, .cached = k_contiguous,
+                             .b_cached = true});
       ++n;
     }
   }
