@@ -91,18 +91,20 @@ def test_paged_split_kv(cpu_isa: str) -> None:
     kvcache_tests.test_paged_equals_contiguous("cpu", num_splits=4)
 
 
-# Prefill on a level that reads bf16 K/V tiles in place (amx_bf16) keeps each tile, packed, for the head's
-# later row blocks on the same thread (launch_host.h, HostKvTileCache).  Cases where a wrong entry would be
-# found: query heads of one K/V group and two batch entries in a row (the cache is emptied when the K/V head
-# changes), K and V the same tensor (one address, two packed forms), and more keys than one L2 holds at
-# d = 256 (2 x 64 KiB per 128-key tile: past 4 MiB of L2, the later tiles are packed per GEMM as without a cache).
+# Prefill on a level that reads K/V tiles in place (amx_bf16) keeps each tile, packed (fp16 and fp32: split into
+# 2 or 3 bf16 pieces), for the head's later row blocks on the same thread (launch_host.h, HostKvTileCache).
+# Cases where a wrong entry would be found: query heads of one K/V group and two batch entries in a row (the
+# cache is emptied when the K/V head changes), K and V the same tensor (one address, two packed forms), and
+# more keys than one L2 holds at d = 256 (2 x 64 KiB per 128-key bf16 tile, 2 x 64 KiB per 64-key fp16 tile,
+# 2 x 96 KiB per 64-key fp32 tile: past 4 MiB of L2, the later tiles are packed per GEMM as without a cache).
 @pytest.mark.parametrize("case", ["gqa", "k_is_v", "past_the_cache"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_prefill_kv_tiles_reused(cpu_isa: str, case: str, causal: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_prefill_kv_tiles_reused(cpu_isa: str, case: str, causal: bool, dtype: torch.dtype) -> None:
     if case == "past_the_cache":
-        q, k, v = make_qkv(1, 260, 4500, 2, 1, 256, torch.bfloat16, "cpu")
+        q, k, v = make_qkv(1, 260, 4500, 2, 1, 256, dtype, "cpu")
     else:
-        q, k, v = make_qkv(2, 300, 700, 6, 2, 128, torch.bfloat16, "cpu")
+        q, k, v = make_qkv(2, 300, 700, 6, 2, 128, dtype, "cpu")
         if case == "k_is_v":
             v = k
     out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

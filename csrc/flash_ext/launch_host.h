@@ -29,7 +29,9 @@ inline constexpr int kHostBlockMShort = 16;
 // Key columns per tile, by element type.  O lives in memory on the host and P.V reads and writes it once
 // per K/V tile, so a deeper P.V pays where the GEMM itself is fast: bf16 (vdpbf16ps, AMX tiles) measured
 // 5-10% faster with 128 than with 64; fp32 measured 3-7% slower (its S tile doubles to 64 KiB) and fp16
-// even (Intel Xeon with AMX, 2026-12-02, docs/perf.md).  Per element type, so no extra instantiation.
+// even (Intel Xeon with AMX, 2026-12-02, docs/perf.md), then, split on the AMX tiles, 4-12% slower
+// (2026-12-05: its packed K tile, hi and lo, would double to 64 KiB at d = 128).  Per element type, so no
+// extra instantiation.
 constexpr int host_block_n(bool bf16) { return bf16 ? 128 : 64; }
 template <class Element>
 inline constexpr int kHostBlockN = host_block_n(std::is_same_v<Element, cutlass::bfloat16_t>);
@@ -167,16 +169,16 @@ bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int b
 }
 
 // A worker thread's HostTileCache for one call: room for the K and V tiles of one K/V head (seqlen_k keys, 32-deep
-// steps), up to one L2's worth (what does not fit is packed per GEMM, as without it).  A tile is packed once and
+// steps, in `pieces` bf16 pieces: 2 for fp16, 3 for fp32), up to one L2's worth (what does not fit is packed per GEMM, as without it).  A tile is packed once and
 // read by each of the head's row blocks on this thread, in place of a repacking (V, transposed into pairs) or
 // of reads of rows a head's stride apart (K) per row block.
 class HostKvTileCache {
  public:
   HostTileCache cache;
-  void reserve(int seqlen_k, int block_n, int head_dim) {
+  void reserve(int seqlen_k, int block_n, int head_dim, int pieces) {
     auto padded = [](int n) { return int64_t(n + 31) / 32 * 32; };
     int const tiles = ceil_div(seqlen_k, block_n);
-    int64_t const tile_bytes = (int64_t(block_n) * padded(head_dim) + int64_t(head_dim) * padded(block_n)) * 2;
+    int64_t const tile_bytes = (int64_t(block_n) * padded(head_dim) + int64_t(head_dim) * padded(block_n)) * 2 * pieces;
     int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes, host_l2_bytes()) + 2 * 64;
     storage_.reset(new char[size_t(bytes) + 64]);
     entries_.reset(new HostTileCache::Entry[size_t(2 * tiles)]);
@@ -237,12 +239,16 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
   // (see warm_decode_split).  Else m_block varies fastest, so neighbouring work items reuse K/V in cache.
   bool const decode = num_m_blocks == 1;
   // Prefill stages its K/V tiles unless the level's GEMMs read them in place anyway (HostKernels).
-  bool const prefill_in_place = kernels.bf16_kv_in_place && std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>;
+  constexpr bool kBf16 = std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>;
+  constexpr bool kF16 = std::is_same_v<typename Traits::Element, cutlass::half_t>;
+  bool const prefill_in_place = kBf16 ? kernels.bf16_kv_in_place : kF16 ? kernels.f16_kv_in_place : kernels.f32_kv_in_place;
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
     HostCtaScope scope(kernels);
     alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA
-    // Q as bf16 pairs over whole 32-deep steps, as a level with bf16 tiles packs it (HostPackCache).
-    alignas(64) uint32_t q_pairs[Traits::kBlockM * ((Traits::kHeadDim + 31) / 32 * 16)];
+    // Q as bf16 pairs over whole 32-deep steps, as a level with bf16 tiles packs it (HostPackCache); fp16 and
+    // fp32 Q 2 and 3 times that, the pairs of each of its bf16 pieces (the split GEMMs of kernels.h).
+    constexpr int kPieces = kBf16 ? 1 : kF16 ? 2 : 3;
+    alignas(64) uint32_t q_pairs[Traits::kBlockM * ((Traits::kHeadDim + 31) / 32 * 16) * kPieces];
     HostPackCache q_cache{q_pairs, int64_t(sizeof(q_pairs))};
     scope.set_q_cache(&q_cache);
     // The K/V tiles of the head that this thread's run of row blocks reads in place, packed once (HostTileCache).
@@ -251,9 +257,11 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
     alignas(64) uint32_t p_pairs[Traits::kBlockM * ((Traits::kBlockN + 31) / 32 * 16)];
     HostPackCache p_cache{p_pairs, int64_t(sizeof(p_pairs))};
     if (prefill_in_place && !decode) {
-      kv_cache.reserve(params.seqlen_k, Traits::kBlockN, Traits::kHeadDim);
+      kv_cache.reserve(params.seqlen_k, Traits::kBlockN, Traits::kHeadDim, kPieces);
       scope.set_kv_cache(&kv_cache.cache);
-      if (!flags.dropout) { scope.set_p_cache(&p_cache); }
+      // P packed by the softmax step as rounded bf16 pairs, for a bf16 P.V (fp16's split P.V measured no faster
+      // with P split there: docs/perf.md).
+      if (kBf16 && !flags.dropout) { scope.set_p_cache(&p_cache); }
     }
     int64_t kv_head = -1;  // the (batch, K/V head) whose tiles kv_cache holds
     bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place

@@ -356,8 +356,9 @@ struct HostTraits : PlainGlobalMemory {
   // A decode CTA, whose split's rows the launcher has just warmed into L2: "shared memory" is ordinary memory
   // here, so the copy would read L2 and write K and V tiles (68 KiB with Q at bf16, d = 128: twice the L1) that
   // the GEMMs then read back from L2 as well (decode steps measured 9-17% more K/V bandwidth without it; bf16,
-  // fp16, fp32; AVX-512 and AVX2 levels).  And a bf16 prefill CTA on a level whose GEMMs load K by tile rows
-  // from any stride and pack V themselves (HostKernels::bf16_kv_in_place, AMX: 4-11% less time).  Other
+  // fp16, fp32; AVX-512 and AVX2 levels).  And a prefill CTA on a level whose GEMMs load K by tile rows from any
+  // stride and pack V themselves (HostKernels::bf16_kv_in_place, AMX: 4-11% less time; f16_ and f32_kv_in_place,
+  // AMX, whose split GEMMs pack both).  Other
   // prefill stages: there in-place reads were measured slower (the GEMMs' broadcast loads took the memory
   // stalls that the staged copy overlaps).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or
   // head-dim padding (whole = false) is staged, zero-filled, as always, and its shared tile stops standing

@@ -1,6 +1,7 @@
 // Host micro-kernels for AMX-BF16 (Sapphire Rapids and later): the AVX-512-BF16 kernels, with the bf16 GEMMs of
 // whole 16 x 16 tiles on the tile registers (tdpbf16ps: 16 x 16 x 32 products per instruction, against
-// 16 x 2 for a vdpbf16ps).  Everything else (softmax, fp32 and fp16 GEMMs, partial tiles) is the
+// 16 x 2 for a vdpbf16ps), and the fp16 and fp32 GEMMs of more than a few rows there too, their operands split
+// into 2 or 3 bf16 pieces (kernels.h).  Everything else (softmax, decode's few-row GEMMs, partial tiles) is the
 // AVX-512-BF16 level's code.
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define FLASH_EXT_ISA_TARGET "amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"

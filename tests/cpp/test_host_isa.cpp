@@ -81,6 +81,8 @@ struct GemmCase {
   // Through a B cache (HostGemmArgs::b_cache): holding a decoy entry first (B's address with another layout,
   // over bf16 infs), which must not be found; the first call packs B into it, the second must find that.
   bool b_cached = false;
+  // The bound on the error relative to the sum of the products' magnitudes (and C's).
+  double tolerance = 1e-5;
 };
 
 void check_gemm(HostKernels const& k, GemmCase const& gc) {
@@ -105,12 +107,14 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
     }
   }
   std::vector<float> const c0 = c;
-  // The largest packed A any level keeps: bf16 pairs of the rows, over whole 32-deep steps.
-  std::vector<uint32_t> packed(size_t(rows_alloc) * ((gc.depth + 31) / 32 * 16), 0x7f807f80u);  // bf16 pairs of inf
+  // The largest packed A any level keeps: bf16 pairs of the rows over whole 32-deep steps, once per bf16 piece
+  // where a product is split (up to 3: fp32).
+  std::vector<uint32_t> packed(size_t(rows_alloc) * ((gc.depth + 31) / 32 * 16) * 3, 0x7f807f80u);  // bf16 pairs of inf
   HostPackCache cache{packed.data(), int64_t(packed.size() * sizeof(uint32_t)), a.ptr(), rows_alloc + 16, gc.depth,
                       true};
-  // Room for B packed as any level keeps it (rows of cols, depth in 32-deep steps, bf16) after the decoy's.
-  int64_t const b_packed_bytes = int64_t(gc.cols + 32) * ((gc.depth + 31) / 32 * 32) * 2;
+  // Room for B packed as any level keeps it (rows of cols, depth in 32-deep steps, bf16; up to 3 times that
+  // split) after the decoy's.
+  int64_t const b_packed_bytes = int64_t(gc.cols + 32) * ((gc.depth + 31) / 32 * 32) * 2 * 3;
   std::vector<uint16_t> tiles(size_t(2 * b_packed_bytes / 2 + 64), 0x7f80u);
   HostTileCache::Entry entries[2] = {{b.ptr(), b_ks, b_ns, gc.cols, gc.depth, 0}};
   HostTileCache b_cache{tiles.data(), int64_t(tiles.size() * 2), (b_packed_bytes + 63) / 64 * 64, entries, 2, 1};
@@ -123,6 +127,13 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   if (gc.b_cached && call == 0) {  // a level that keeps B packed it once, past the decoy
     CHECK(b_cache.count <= 2 && (b_cache.count == 1 || b_cache.entries[1].key == b.ptr()),
           "%s gemm: B cache holds %d entries after one GEMM", k.name, b_cache.count);
+    // And one that reads such K/V tiles in place keeps every whole tile it multiplies by tiles.
+    bool const keeps = (gc.b_type == HostDType::kBF16  ? k.bf16_kv_in_place
+                        : gc.b_type == HostDType::kF16 ? k.f16_kv_in_place
+                                                       : k.f32_kv_in_place) &&
+                       gc.rows > 8 && gc.cols >= 16 && gc.depth <= 256;
+    CHECK(!keeps || b_cache.count == 2, "%s gemm b=%s %dx%dx%d: B not kept in the cache", k.name,
+          type_name(gc.b_type), gc.rows, gc.cols, gc.depth);
   }
   // A level with bf16 dot products rounds both operands of a bf16-B product to bf16.
   bool const rounds = (k.isa == HostIsa::kAvx512Bf16 || k.isa == HostIsa::kAmxBf16) && gc.b_type == HostDType::kBF16 && gc.a_type != HostDType::kF16;
@@ -154,10 +165,13 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
   }
   CHECK(untouched_ok, "%s gemm a=%s b=%s %dx%dx%d: wrote outside its columns/rows", k.name, type_name(gc.a_type),
         type_name(gc.b_type), gc.rows, gc.cols, gc.depth);
-  // fp32 accumulation of |terms|: a few ulps of the magnitude sum.
+  // fp32 accumulation of |terms|: a few ulps of the magnitude sum.  The AMX level's split fp16 and fp32
+  // products (kernels.h: at most ~2^-15 and ~2^-23 relative per product in the worst case, far less on
+  // average) are held to the same bound on these random operands, which a left-out product of pieces of
+  // order 1 (~2^-9) fails; fp32's products of order 2 (~2^-18) are held by the single-product cases.
   char const* const b_layout = gc.b_k_contiguous ? (gc.b_wide ? "(k-contig, wide)" : "(k-contig)")
                                                  : (gc.b_wide ? "(n-contig, wide)" : "(n-contig)");
-  CHECK(!nan_seen && max_err < 1e-5, "%s gemm%s%s%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
+  CHECK(!nan_seen && max_err < gc.tolerance, "%s gemm%s%s%s a=%s%s b=%s%s %dx%dx%d: relative error %.3g%s", k.name,
         gc.overwrite ? " (overwrite)" : "", gc.cached ? (call == 0 ? " (stale cache)" : " (cached A)") : "",
         gc.b_cached ? (call == 0 ? " (B packed)" : " (cached B)") : "",
         type_name(gc.a_type), gc.a_col_major ? "(col)" : "(row)", type_name(gc.b_type), b_layout, gc.rows, gc.cols,
@@ -191,23 +205,50 @@ void check_gemms(HostKernels const& k) {
   // Q.K^T's A cache: fp32 column-major A (the Q fragment), bf16 K with its rows a head apart, overwriting.
   int const cached_shapes[][3] = {{128, 128, 64}, {128, 128, 128}, {16, 128, 128}, {128, 128, 256}, {48, 300, 70},
                                   {128, 64, 96},  {4, 7, 5},       {33, 13, 40}};
+  // And the fp16 and fp32 forwards': Q and K of one type, which the AMX level splits into 2 or 3 bf16 pieces.
   for (auto const& s : cached_shapes) {
     for (bool wide : {false, true}) {
       check_gemm(k, GemmCase{HostDType::kF32, HostDType::kBF16, s[0], s[1], s[2], true, true, wide, true, true});
-      ++n;
+      check_gemm(k, GemmCase{HostDType::kF16, HostDType::kF16, s[0], s[1], s[2], true, true, wide, true, true});
+      check_gemm(k, GemmCase{HostDType::kF32, HostDType::kF32, s[0], s[1], s[2], true, true, wide, true, true});
+      n += 3;
     }
   }
   // The prefill's K/V tile cache: K (k-contiguous, rows a head apart) with Q's A cache, and V (n-contiguous)
   // under P (fp32, column-major), whole tiles and ragged ones.
   int const b_cached_shapes[][3] = {{128, 128, 64}, {128, 128, 128}, {128, 128, 256}, {128, 64, 128}, {48, 300, 70},
                                     {128, 256, 128}, {33, 13, 40}};
+  // The same for fp16 and fp32 K/V (split where the level splits them), under Q of their type and fp32 P.
   for (auto const& s : b_cached_shapes) {
     for (bool k_contiguous : {true, false}) {  // K under Q.K^T (overwriting, Q cached), else V under P.V
-      check_gemm(k, GemmCase{.a_type = HostDType::kF32, .b_type = HostDType::kBF16, .rows = s[0], .cols = s[1],
-                             .depth = s[2], .a_col_major = true, .b_k_contiguous = k_contiguous,
-                             .b_wide = k_contiguous, .overwrite = k_contiguous, .cached = k_contiguous,
-                             .b_cached = true});
-      ++n;
+      for (HostDType kv : {HostDType::kBF16, HostDType::kF16, HostDType::kF32}) {
+        HostDType const a = kv == HostDType::kF16 && k_contiguous ? HostDType::kF16 : HostDType::kF32;
+        check_gemm(k, GemmCase{.a_type = a, .b_type = kv, .rows = s[0], .cols = s[1], .depth = s[2],
+                               .a_col_major = true, .b_k_contiguous = k_contiguous, .b_wide = k_contiguous,
+                               .overwrite = k_contiguous, .cached = k_contiguous, .b_cached = true});
+        ++n;
+      }
+    }
+  }
+  // Single products (depth 1-2, overwriting), each held to its own bound: fp32 x fp32 within 1e-6 (exact on the
+  // FMA levels; AMX's 3-piece split within ~2^-23, where a left-out product of pieces of order 2 would cost
+  // ~2^-18 on average), fp16 B within 4e-5 (AMX's 2-piece split: at most 2^-15 with an fp32 A).
+  int const single_shapes[][3] = {{32, 32, 1}, {48, 64, 2}, {128, 48, 1}};
+  struct Single {
+    HostDType a, b;
+    double tolerance;
+  };
+  Single const singles[] = {{HostDType::kF32, HostDType::kF32, 1e-6},
+                            {HostDType::kF16, HostDType::kF16, 4e-5},
+                            {HostDType::kF32, HostDType::kF16, 4e-5}};
+  for (auto const& s : single_shapes) {
+    for (Single const& t : singles) {
+      for (bool col_major : {true, false}) {
+        check_gemm(k, GemmCase{.a_type = t.a, .b_type = t.b, .rows = s[0], .cols = s[1], .depth = s[2],
+                               .a_col_major = col_major, .b_k_contiguous = !col_major, .overwrite = true,
+                               .tolerance = t.tolerance});
+        ++n;
+      }
     }
   }
   std::printf("  gemm: %d cases\n", n);

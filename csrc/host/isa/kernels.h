@@ -595,11 +595,20 @@ void pack_b_rows(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, ui
   }
 }
 
+// The tile products of operands split into kPieces bf16 pieces each (below): pairs (A's piece, B's piece),
+// largest first; the products of two pieces whose orders sum past kPieces - 1 are left out.
+constexpr int split_parts(int pieces) { return pieces == 1 ? 1 : pieces == 2 ? 3 : 6; }
+constexpr int kSplitA[6] = {0, 0, 1, 0, 1, 2};
+constexpr int kSplitB[6] = {0, 1, 0, 2, 1, 0};
+
 // C tiles of NT x 16 columns and MT x 16 rows at c += B rows (b, b_row bytes apart) . A pairs (a, a_row
-// bytes apart), over ksteps x 32 k.
-template <int NT, int MT>
+// bytes apart), over ksteps x 32 k.  kPieces > 1: operands split into pieces (below), each B row and each A
+// block holding ksteps of its first piece, then ksteps of the next: c += the split_parts products of pieces
+// while C stays in its tiles.
+template <int NT, int MT, int kPieces = 1>
 FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64_t b_row, uint32_t const* a,
                                  int64_t a_row, int ksteps, bool zero_c) {
+  static_assert(kPieces >= 1 && kPieces <= 3);
   int64_t const c_row = ldc * int64_t(sizeof(float));
   int64_t const b_tile = 16 * (b_row / int64_t(sizeof(uint16_t)));  // elements from B's row n to n + 16
   int64_t const a_step = 16 * (a_row / int64_t(sizeof(uint32_t)));  // elements from pair q to q + 16
@@ -614,18 +623,23 @@ FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64
     if constexpr (NT == 2) { FLASH_EXT_TILE_LOAD(2, c + 16 * ldc, c_row); }
     if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_LOAD(3, c + 16 * ldc + 16, c_row); }
   }
-  for (int s = 0; s < ksteps; ++s) {
-    FLASH_EXT_TILE_LOAD(4, b + s * kTileK, b_row);
-    FLASH_EXT_TILE_LOAD(6, a + s * a_step, a_row);
-    FLASH_EXT_TILE_DOT(0, 4, 6);
-    if constexpr (MT == 2) {
-      FLASH_EXT_TILE_LOAD(7, a + s * a_step + 16, a_row);
-      FLASH_EXT_TILE_DOT(1, 4, 7);
-    }
-    if constexpr (NT == 2) {
-      FLASH_EXT_TILE_LOAD(5, b + b_tile + s * kTileK, b_row);
-      FLASH_EXT_TILE_DOT(2, 5, 6);
-      if constexpr (MT == 2) { FLASH_EXT_TILE_DOT(3, 5, 7); }
+#pragma GCC unroll 6
+  for (int part = 0; part < split_parts(kPieces); ++part) {
+    uint16_t const* const bp = b + kSplitB[part] * ksteps * kTileK;
+    uint32_t const* const ap = a + kSplitA[part] * ksteps * a_step;
+    for (int s = 0; s < ksteps; ++s) {
+      FLASH_EXT_TILE_LOAD(4, bp + s * kTileK, b_row);
+      FLASH_EXT_TILE_LOAD(6, ap + s * a_step, a_row);
+      FLASH_EXT_TILE_DOT(0, 4, 6);
+      if constexpr (MT == 2) {
+        FLASH_EXT_TILE_LOAD(7, ap + s * a_step + 16, a_row);
+        FLASH_EXT_TILE_DOT(1, 4, 7);
+      }
+      if constexpr (NT == 2) {
+        FLASH_EXT_TILE_LOAD(5, bp + b_tile + s * kTileK, b_row);
+        FLASH_EXT_TILE_DOT(2, 5, 6);
+        if constexpr (MT == 2) { FLASH_EXT_TILE_DOT(3, 5, 7); }
+      }
     }
   }
   FLASH_EXT_TILE_STORE(0, c, c_row);
@@ -634,22 +648,193 @@ FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64
   if constexpr (NT == 2 && MT == 2) { FLASH_EXT_TILE_STORE(3, c + 16 * ldc + 16, c_row); }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// fp16 and fp32 products on the bf16 tiles ("split").  x becomes a sum of bf16 pieces, each the rest of x
+// after the pieces before it, rounded to nearest even (the rests are exact in fp32: Sterbenz).
+//   fp16 B, 2 pieces: an fp16 x is exactly hi + lo (11 significant bits; hi keeps 8, and x - hi, a multiple of
+//     x's last bit and at most 4 of them, needs at most 3); an fp32 A (P) to within 2^-16 |x|.  A.B^T is then
+//     Ah.Bh + Ah.Bl + Al.Bh + Al.Bl; the tiles compute the first three, each bf16 x bf16 product exact and
+//     summed in fp32, and leave out the fourth (<= 2^-16 |A(m, k) B(n, k)|): ~2^-15 relative per product at
+//     most, against the 2^-11 of the fp16 P that the GPU's P.V multiplies.
+//   fp32 B, 3 pieces: an fp32 x is exactly hi + mid + lo (24 bits, 8 per piece; 16 at most left after hi, 8
+//     after mid).  Six products (those of piece orders summing to <= 2) leave out mid.lo, lo.mid, lo.lo:
+//     <= ~2^-23 |A(m, k) B(n, k)| per product, the order of fp32's own rounding of each sum (2^-24).
+// Subnormal pieces count as zero (tdpbf16ps), i.e. what is lost is below 2^-126.  The split products still
+// run at ~5x (fp16) and ~2.5x (fp32) the products per cycle of the fp32 FMAs they replace (docs/perf.md).
+// The packed forms hold the first piece of the whole (padded) depth, then the next: A's pairs of a row block
+// as pack_a_tiles lays them, q < ksteps * 16 of hi, then as many of the next piece; B's rows as pack_b_rows
+// writes them, each row its hi over the padded depth, then the next piece.
+
+// Lane l: the pieces of even[l] and odd[l] as bf16 pairs (odd's in the high half), hi first.  A NaN or
+// infinity stays whole in hi (the later pieces 0: x - hi would be NaN for an infinity).
+template <int kPieces>
+FLASH_EXT_INLINE void split_pairs(vf even, vf odd, vu* pieces) {
+#pragma GCC unroll 3
+  for (int i = 0; i < kPieces; ++i) {
+    vu const p = vbf16_pairs(even, odd);
+    pieces[i] = p;
+    vf const re = even - (vf)(p << 16), ro = odd - (vf)(p & 0xffff0000u);
+    even = re == re ? re : vf{}, odd = ro == ro ? ro : vf{};
+  }
+}
+// The same for kLanes consecutive values, as bf16 bits in the low halves of the lanes.
+template <int kPieces>
+FLASH_EXT_INLINE void split_lanes(vf x, vu* pieces) {
+#pragma GCC unroll 3
+  for (int i = 0; i < kPieces; ++i) {
+    vu const p = to_bf16_lanes(x);
+    pieces[i] = p;
+    vf const r = x - (vf)(p << 16);
+    x = r == r ? r : vf{};
+  }
+}
+
+// A(m .. m + kLanes, k) as fp32, `at` the index of A(m, k).
+FLASH_EXT_INLINE vf a_rows_at(HostGemmArgs const& g, int64_t at) {
+  if (g.a_ms == 1) { return load_as_f32(offset(g.a, at, g.a_type), g.a_type); }
+  alignas(64) float v[kLanes];
+  for (int r = 0; r < kLanes; ++r) { v[r] = scalar_as_f32(g.a, at + r * g.a_ms, g.a_type); }
+  return vload(v);
+}
+
+// A(m0 + r, k0 + 2q + {0, 1}) split: the hi pair at out[q * RV * kLanes + r], each next piece's piece_pairs
+// pairs further; a missing odd k (depth odd) is 0.  A contiguous along k (the backward's P^T and dS^T): each
+// row's 32 k of a step split in two vectors, their pairs gathered into one, and 16 rows of pairs transposed.
+template <int RV, int kPieces>
+void pack_a_split(HostGemmArgs const& g, int m0, int k0, int depth, int piece_pairs, uint32_t* out) {
+  constexpr int kRows = RV * kLanes;
+  int64_t const base = int64_t(m0) * g.a_ms + int64_t(k0) * g.a_ks;
+  if (g.a_ks == 1 && kLanes == 16) {
+    for (int q0 = 0; q0 < (depth + 1) / 2; q0 += 16) {
+      int const k = 2 * q0;
+      for (int i = 0; i < RV; ++i) {
+        vu rows[kPieces][16], cols[16];
+        for (int r = 0; r < 16; ++r) {
+          int64_t const at = base + int64_t(i * 16 + r) * g.a_ms + k;
+          vf x0, x1;
+          if (k + 32 <= depth) {
+            x0 = load_as_f32(offset(g.a, at, g.a_type), g.a_type);
+            x1 = load_as_f32(offset(g.a, at + 16, g.a_type), g.a_type);
+          } else {  // the last step: zero past depth
+            alignas(64) float x[32];
+            for (int j = 0; j < 32; ++j) { x[j] = k + j < depth ? scalar_as_f32(g.a, at + j, g.a_type) : 0.f; }
+            x0 = vload(x), x1 = vload(x + 16);
+          }
+          vu p0[kPieces], p1[kPieces];
+          split_lanes<kPieces>(x0, p0);
+          split_lanes<kPieces>(x1, p1);
+          auto const pairs_of = [](vu a, vu b) {  // bf16 of k = 2p in lane p's low half, of k = 2p + 1 in its high
+            vu const even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            vu const odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            return even | (odd << 16);
+          };
+          for (int h = 0; h < kPieces; ++h) { rows[h][r] = pairs_of(p0[h], p1[h]); }
+        }
+        int const n = (depth + 1) / 2 - q0 < 16 ? (depth + 1) / 2 - q0 : 16;
+        for (int h = 0; h < kPieces; ++h) {
+          vtranspose(rows[h], cols);
+          for (int p = 0; p < n; ++p) {
+            __builtin_memcpy(out + (h * piece_pairs + q0 + p) * kRows + i * 16, &cols[p], sizeof(vu));
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int q = 0; q < (depth + 1) / 2; ++q) {
+    int64_t const even = base + int64_t(2 * q) * g.a_ks;
+    bool const has_odd = 2 * q + 1 < depth;
+#pragma GCC unroll 4
+    for (int i = 0; i < RV; ++i) {
+      int64_t const at = even + int64_t(i) * kLanes * g.a_ms;
+      vu pieces[kPieces];
+      split_pairs<kPieces>(a_rows_at(g, at), has_odd ? a_rows_at(g, at + g.a_ks) : vf{}, pieces);
+      for (int h = 0; h < kPieces; ++h) {
+        __builtin_memcpy(out + (h * piece_pairs + q) * kRows + i * kLanes, &pieces[h], sizeof(vu));
+      }
+    }
+  }
+}
+
+// B(n0 + j, k0 + k) split for j < ncols (a multiple of 16), k < depth: piece h at out[j * ldo + h * width + k]
+// (width = ldo / kPieces), 0 for depth <= k < width.  B contiguous along n (V of P.V): 16 x 16 blocks of pairs
+// transposed, as pack_b_rows; along k (K of Q.K^T): a vector at a time; otherwise element by element.
+template <int kPieces>
+void pack_b_split(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, uint16_t* out, int ldo) {
+  int const width = ldo / kPieces;
+  if (g.b_ns == 1 && kLanes == 16) {
+    for (int q0 = 0; q0 < width / 2; q0 += 16) {
+      for (int j = 0; j < ncols; j += 16) {
+        vu rows[kPieces][16], cols[16];
+        for (int i = 0; i < 16; ++i) {
+          int const k = 2 * (q0 + i);
+          vu pieces[kPieces] = {};
+          if (k < depth) {
+            int64_t const at = n0 + j + int64_t(k0 + k) * g.b_ks;
+            vf const odd = k + 1 < depth ? load_as_f32(offset(g.b, at + g.b_ks, g.b_type), g.b_type) : vf{};
+            split_pairs<kPieces>(load_as_f32(offset(g.b, at, g.b_type), g.b_type), odd, pieces);
+          }
+          for (int h = 0; h < kPieces; ++h) { rows[h][i] = pieces[h]; }
+        }
+        for (int h = 0; h < kPieces; ++h) {
+          vtranspose(rows[h], cols);
+          for (int i = 0; i < 16; ++i) {
+            __builtin_memcpy(out + int64_t(j + i) * ldo + h * width + 2 * q0, &cols[i], sizeof(vu));
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < ncols; ++j) {
+    int64_t const at = int64_t(n0 + j) * g.b_ns + int64_t(k0) * g.b_ks;
+    uint16_t* const row = out + int64_t(j) * ldo;
+    int k = 0;
+    if (g.b_ks == 1) {
+      for (; k + kLanes <= depth; k += kLanes) {
+        vu pieces[kPieces];
+        split_lanes<kPieces>(load_as_f32(offset(g.b, at + k, g.b_type), g.b_type), pieces);
+        for (int h = 0; h < kPieces; ++h) {
+          vh const bits = __builtin_convertvector(pieces[h], vh);
+          __builtin_memcpy(row + h * width + k, &bits, sizeof(bits));
+        }
+      }
+    }
+    for (; k < depth; ++k) {
+      alignas(64) float x[kLanes] = {scalar_as_f32(g.b, at + int64_t(k) * g.b_ks, g.b_type)};
+      vu pieces[kPieces];
+      split_lanes<kPieces>(vload(x), pieces);
+      for (int h = 0; h < kPieces; ++h) { row[h * width + k] = uint16_t(pieces[h][0]); }
+    }
+    for (int h = 0; h < kPieces; ++h) {
+      for (k = depth; k < width; ++k) { row[h * width + k] = 0; }
+    }
+  }
+}
+
 // A(m0 + r, k0 + 2q + {0, 1}) for r < MT * 16 as bf16 pairs at out[q * MT * 16 + r], q < the pairs of whole
 // tile steps over depth (zero past depth: B's padding is zero too, but stale pairs here could hold an inf,
-// and 0 * inf is NaN).
-template <int MT>
+// and 0 * inf is NaN); split into kPieces: the hi pairs so, then each next piece's as many pairs further.
+template <int MT, int kPieces = 1>
 void pack_a_tiles(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* out) {
   constexpr int kRows = MT * 16;
   int const ksteps = (depth + kTileK - 1) / kTileK;
-  pack_a_pairs<MT * 16 / kLanes>(g, m0, k0, depth, out);
-  for (int q = (depth + 1) / 2; q < ksteps * kTileK / 2; ++q) {
-    for (int r = 0; r < kRows; ++r) { out[q * kRows + r] = 0; }
+  int const pairs = ksteps * kTileK / 2;
+  if constexpr (kPieces > 1) {
+    pack_a_split<MT * 16 / kLanes, kPieces>(g, m0, k0, depth, pairs, out);
+  } else {
+    pack_a_pairs<MT * 16 / kLanes>(g, m0, k0, depth, out);
+  }
+  for (int h = 0; h < kPieces; ++h) {
+    for (int q = (depth + 1) / 2; q < pairs; ++q) {
+      for (int r = 0; r < kRows; ++r) { out[(h * pairs + q) * kRows + r] = 0; }
+    }
   }
 }
 
 // Rows m0 .. m0 + MT * 16 against columns n0 .. n0 + ncols (a multiple of 16) over depth from k0, A's pairs
-// packed by pack_a_tiles<MT>.
-template <int MT>
+// packed by pack_a_tiles<MT, kPieces>.
+template <int MT, int kPieces>
 void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, uint16_t const* b, int64_t b_row,
                uint32_t const* apairs) {
   bool const zero_c = g.overwrite && k0 == 0;
@@ -658,25 +843,28 @@ void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
   float* c = g.c + m0 + int64_t(n0) * g.ldc;
   int j = 0;
   for (; j + 32 <= ncols; j += 32) {
-    tile_block<2, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, apairs, kRows * 4, ksteps, zero_c);
+    tile_block<2, MT, kPieces>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, apairs, kRows * 4, ksteps, zero_c);
   }
   if (j < ncols) {
-    tile_block<1, MT>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, apairs, kRows * 4, ksteps, zero_c);
+    tile_block<1, MT, kPieces>(c + j * g.ldc, g.ldc, b + (b_row / 2) * j, b_row, apairs, kRows * 4, ksteps, zero_c);
   }
 }
 
 // All of A's rows (rows, a multiple of 16) packed block by block as tile_rows reads them: the block of rows
-// m0 at out + m0 * pairs, pairs = those of depth's whole tile steps.  With the 32-row blocks first, every
-// block starts there whatever its height.
+// m0 at out + m0 * pairs, pairs = those of depth's whole tile steps (kPieces times that split).  With the
+// 32-row blocks first, every block starts there whatever its height.
+template <int kPieces>
 void pack_a_all(HostGemmArgs const& g, int rows, int depth, uint32_t* out) {
-  int const pairs = (depth + kTileK - 1) / kTileK * kTileK / 2;
+  int const pairs = (depth + kTileK - 1) / kTileK * kTileK / 2 * kPieces;
   int m0 = 0;
-  for (; m0 + 32 <= rows; m0 += 32) { pack_a_tiles<2>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
-  if (m0 < rows) { pack_a_tiles<1>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
+  for (; m0 + 32 <= rows; m0 += 32) { pack_a_tiles<2, kPieces>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
+  if (m0 < rows) { pack_a_tiles<1, kPieces>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
 }
 
-// B's cols x depth as pack_b_rows writes it (rows of ld bf16), kept in g.b_cache (HostTileCache): packed on
-// the first GEMM that multiplies this tile, found by the later ones.  Null without a cache or room in it.
+// B's cols x depth as pack_b_rows (pack_b_split) writes it (rows of ld bf16), kept in g.b_cache
+// (HostTileCache): packed on the first GEMM that multiplies this tile, found by the later ones.  Null without
+// a cache or room in it.
+template <int kPieces>
 uint16_t const* cached_b_rows(HostGemmArgs const& g, int cols, int ld) {
   HostTileCache* const tc = g.b_cache;
   if (tc == nullptr) { return nullptr; }
@@ -689,62 +877,75 @@ uint16_t const* cached_b_rows(HostGemmArgs const& g, int cols, int ld) {
   int64_t const bytes = (int64_t(cols) * ld * int64_t(sizeof(uint16_t)) + 63) / 64 * 64;
   if (tc->count == tc->capacity || tc->used + bytes > tc->bytes) { return nullptr; }
   uint16_t* const out = reinterpret_cast<uint16_t*>(static_cast<char*>(tc->data) + tc->used);
-  pack_b_rows(g, 0, 0, cols, g.depth, out, ld);
+  if constexpr (kPieces > 1) {
+    pack_b_split<kPieces>(g, 0, 0, cols, g.depth, out, ld);
+  } else {
+    pack_b_rows(g, 0, 0, cols, g.depth, out, ld);
+  }
   tc->entries[tc->count++] = {g.b, g.b_ns, g.b_ks, cols, g.depth, tc->used};
   tc->used += bytes;
   return out;
 }
 
-void gemm_bf16_tiles(HostGemmArgs const& g) {
+void gemm_blocks(HostGemmArgs const& g);
+
+// The GEMM on tiles: bf16 operands (kPieces 1), or both operands split into kPieces bf16 pieces as above.
+template <int kPieces>
+void gemm_tiles(HostGemmArgs const& g) {
+  constexpr bool kSplit = kPieces > 1;
   int const tile_cols = g.cols / 16 * 16;
   if (tile_cols < g.cols) {  // the last few columns
     HostGemmArgs rest = g;
     rest.c += int64_t(tile_cols) * g.ldc;
-    rest.b = offset(g.b, int64_t(tile_cols) * g.b_ns, HostDType::kBF16);
+    rest.b = offset(g.b, int64_t(tile_cols) * g.b_ns, g.b_type);
     rest.cols = g.cols - tile_cols;
-    if (rest.overwrite) { zero_c(rest); }
-    gemm_bf16_dot(rest);
+    if constexpr (kSplit) {
+      gemm_blocks(rest);  // in fp32; clears C itself when overwriting
+    } else {
+      if (rest.overwrite) { zero_c(rest); }
+      gemm_bf16_dot(rest);
+    }
     if (tile_cols == 0) { return; }
   }
-  alignas(64) uint32_t abuf[kTileAScratch];
+  alignas(64) uint32_t abuf[kPieces * kTileAScratch];
   alignas(64) uint16_t bbuf[kTileBScratch];
   int const rows = (g.rows + 15) / 16 * 16;
   int const kc = g.depth < 256 ? g.depth : 256;
   int const kc_padded = (kc + kTileK - 1) / kTileK * kTileK;
-  int const nc_packed = kTileBScratch / kc_padded / 16 * 16;  // >= 128
+  int const nc_packed = kTileBScratch / (kPieces * kc_padded) / 16 * 16;  // >= 32
   // A packed once for all its rows where a cache holds it (HostGemmArgs::a_cache: the forward's Q, packed
   // once per CTA instead of once per K tile; measured, docs/perf.md), else block by block below.
   uint32_t const* cached = nullptr;
-  if (HostPackCache* const pc = g.a_cache; pc != nullptr && kc == g.depth &&
-                                           int64_t(rows) * (kc_padded / 2) * int64_t(sizeof(uint32_t)) <= pc->bytes) {
+  int64_t const a_bytes = int64_t(rows) * (kPieces * kc_padded / 2) * int64_t(sizeof(uint32_t));
+  if (HostPackCache* const pc = g.a_cache; pc != nullptr && kc == g.depth && a_bytes <= pc->bytes) {
     if (!(pc->valid && pc->key == g.a && pc->rows == rows && pc->depth == g.depth)) {
-      pack_a_all(g, rows, kc, static_cast<uint32_t*>(pc->data));
+      pack_a_all<kPieces>(g, rows, kc, static_cast<uint32_t*>(pc->data));
       *pc = {pc->data, pc->bytes, g.a, rows, g.depth, true};
     }
     cached = static_cast<uint32_t const*>(pc->data);
   }
   // B packed once for every GEMM of the call that multiplies it, where a cache holds it (HostGemmArgs::b_cache:
   // the prefill's global K/V tiles).
-  uint16_t const* const b_packed = kc == g.depth ? cached_b_rows(g, tile_cols, kc_padded) : nullptr;
+  uint16_t const* const b_packed = kc == g.depth ? cached_b_rows<kPieces>(g, tile_cols, kPieces * kc_padded) : nullptr;
   tiles_begin();
-  if (cached != nullptr && (b_packed != nullptr || (g.b_ks == 1 && kc % kTileK == 0))) {
+  if (cached != nullptr && (b_packed != nullptr || (!kSplit && g.b_ks == 1 && kc % kTileK == 0))) {
     // A packed whole and B's rows in place (the forward's Q.K^T): blocks of 32 columns outer, so that each
     // block of B's rows is fetched once and used by every row block while it is in L1.  Row blocks outer
     // fetched all of B (K: 32 KiB at d = 128) again for every 32 rows, and K's rows, a head's stride apart
     // in a (b, s, h, d) tensor, fall into a few L1 sets and do not stay (bf16 prefill 10% less time at d = 64,
     // 2% at d = 128; docs/perf.md).
     int const ksteps = kc_padded / kTileK;
-    int64_t const b_ld = b_packed != nullptr ? kc_padded : g.b_ns;  // elements from B's row n to n + 1
+    int64_t const b_ld = b_packed != nullptr ? kPieces * kc_padded : g.b_ns;  // elements from B's row n to n + 1
     int64_t const b_row = b_ld * int64_t(sizeof(uint16_t));
     for (int j = 0; j < tile_cols; j += 32) {
       uint16_t const* b = (b_packed != nullptr ? b_packed : static_cast<uint16_t const*>(g.b)) + int64_t(j) * b_ld;
       float* c = g.c + int64_t(j) * g.ldc;
       auto block = [&]<int MT>(int m0) {  // rows m0 .. m0 + MT * 16 against this block's 32 (or last 16) columns
-        uint32_t const* a = cached + int64_t(m0) * (kc_padded / 2);
+        uint32_t const* a = cached + int64_t(m0) * (kPieces * kc_padded / 2);
         if (j + 32 <= tile_cols) {
-          tile_block<2, MT>(c + m0, g.ldc, b, b_row, a, MT * 16 * 4, ksteps, g.overwrite);
+          tile_block<2, MT, kPieces>(c + m0, g.ldc, b, b_row, a, MT * 16 * 4, ksteps, g.overwrite);
         } else {
-          tile_block<1, MT>(c + m0, g.ldc, b, b_row, a, MT * 16 * 4, ksteps, g.overwrite);
+          tile_block<1, MT, kPieces>(c + m0, g.ldc, b, b_row, a, MT * 16 * 4, ksteps, g.overwrite);
         }
       };
       int m0 = 0;
@@ -756,8 +957,8 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
   }
   for (int k0 = 0; k0 < g.depth; k0 += kc) {
     int const depth = g.depth - k0 < kc ? g.depth - k0 : kc;
-    int const ld = (depth + kTileK - 1) / kTileK * kTileK;
-    bool const in_place = g.b_ks == 1 && depth % kTileK == 0;
+    int const ld = (depth + kTileK - 1) / kTileK * kTileK * kPieces;  // bf16 of a packed B row
+    bool const in_place = !kSplit && g.b_ks == 1 && depth % kTileK == 0;
     // Columns in chunks only as far as packed B must fit its scratch: A, unless cached, is packed again for
     // every chunk.
     int const nc = in_place || b_packed != nullptr ? tile_cols : nc_packed;
@@ -772,18 +973,22 @@ void gemm_bf16_tiles(HostGemmArgs const& g) {
         b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
         b_row = g.b_ns * int64_t(sizeof(uint16_t));
       } else {
-        pack_b_rows(g, n0, k0, ncols, depth, bbuf, ld);
+        if constexpr (kSplit) {
+          pack_b_split<kPieces>(g, n0, k0, ncols, depth, bbuf, ld);
+        } else {
+          pack_b_rows(g, n0, k0, ncols, depth, bbuf, ld);
+        }
         b = bbuf;
         b_row = ld * int64_t(sizeof(uint16_t));
       }
       int m0 = 0;
       for (; m0 + 32 <= rows; m0 += 32) {
-        if (cached == nullptr) { pack_a_tiles<2>(g, m0, k0, depth, abuf); }
-        tile_rows<2>(g, m0, n0, k0, ncols, depth, b, b_row, cached ? cached + int64_t(m0) * (ld / 2) : abuf);
+        if (cached == nullptr) { pack_a_tiles<2, kPieces>(g, m0, k0, depth, abuf); }
+        tile_rows<2, kPieces>(g, m0, n0, k0, ncols, depth, b, b_row, cached ? cached + int64_t(m0) * (ld / 2) : abuf);
       }
       if (m0 < rows) {
-        if (cached == nullptr) { pack_a_tiles<1>(g, m0, k0, depth, abuf); }
-        tile_rows<1>(g, m0, n0, k0, ncols, depth, b, b_row, cached ? cached + int64_t(m0) * (ld / 2) : abuf);
+        if (cached == nullptr) { pack_a_tiles<1, kPieces>(g, m0, k0, depth, abuf); }
+        tile_rows<1, kPieces>(g, m0, n0, k0, ncols, depth, b, b_row, cached ? cached + int64_t(m0) * (ld / 2) : abuf);
       }
     }
   }
@@ -1186,7 +1391,7 @@ void gemm(HostGemmArgs const& in) {
   if (in.rows <= 0 || in.cols <= 0) { return; }
 #if FLASH_EXT_ISA_HAS_TILES
   // The tiles start from zero themselves.
-  if (in.depth > 0 && in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_bf16_tiles(in); }
+  if (in.depth > 0 && in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_tiles<1>(in); }
 #endif
   if (in.depth <= 0) {
     if (in.overwrite) { zero_c(in); }
@@ -1201,6 +1406,12 @@ void gemm(HostGemmArgs const& in) {
   }
 #endif
   if (gemm_few_rows(in)) { return; }
+#if FLASH_EXT_ISA_HAS_TILES
+  // fp16 and fp32 B split into bf16 tile products (gemm_tiles<2>, <3>), except for a few rows (decode steps:
+  // bound by reading K and V, which the split would pack, in 2-3 pieces, before its first product).
+  if (in.rows > kSmallRows && in.b_type == HostDType::kF16) { return gemm_tiles<2>(in); }
+  if (in.rows > kSmallRows && in.b_type == HostDType::kF32) { return gemm_tiles<3>(in); }
+#endif
   gemm_blocks(in);  // starts its accumulators from zero itself when overwriting
 }
 
@@ -1618,6 +1829,7 @@ void dropout_apply(float* p, int64_t ldp, int rows, int cols, int live_rows, uin
 constexpr HostKernels kKernels{kIsa,          kName,          kLanes,          &gemm,
                                &softmax_rescale, &convert,     &dropout_keep,   &dropout_apply,
                                &store_rows,   &add_rows,      &rows_to_columns, &exp2_rows,
+                               FLASH_EXT_ISA_HAS_TILES != 0, FLASH_EXT_ISA_HAS_TILES != 0,
                                FLASH_EXT_ISA_HAS_TILES != 0};
 
 #undef FLASH_EXT_INLINE
