@@ -37,9 +37,9 @@ enum class HostDType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // A and C (their values there are unspecified afterwards).  Columns >= cols of C are neither read nor written.
 // A level with bf16 dot products (kAvx512Bf16, kAmxBf16) computes a bf16 x bf16 product with both operands
 // rounded to bf16 (exact for bf16 inputs; the fp32 P of P.V is rounded, as on the GPU).  kAmxBf16 computes
-// fp16 and fp32 products of more than a few rows on its bf16 tiles, both operands split into sums of 2 (fp16 B)
-// or 3 (fp32 B) bf16 pieces (kernels.h): within ~2^-15 (fp16) and ~2^-23 (fp32) of each exact product.  Every
-// other case multiplies in fp32.
+// the fp16 products of more than a few rows on its bf16 tiles, and the fp32 ones whose B is a tile of b_cache,
+// both operands split into sums of 2 (fp16 B) or 3 (fp32 B) bf16 pieces (kernels.h): within ~2^-15 (fp16) and
+// ~2^-23 (fp32) of each exact product.  Every other case multiplies in fp32.
 // With overwrite, C's prior contents are not read: C(m, n) = sum_k A(m, k) * B(n, k) (the S = Q.K^T of every
 // tile, which would otherwise be cleared in memory and read straight back).
 // Scratch in which a level may keep a GEMM operand A in its packed form, packed once and used by several

@@ -232,7 +232,8 @@ void check_gemms(HostKernels const& k) {
   }
   // Single products (depth 1-2, overwriting), each held to its own bound: fp32 x fp32 within 1e-6 (exact on the
   // FMA levels; AMX's 3-piece split within ~2^-23, where a left-out product of pieces of order 2 would cost
-  // ~2^-18 on average), fp16 B within 4e-5 (AMX's 2-piece split: at most 2^-15 with an fp32 A).
+  // ~2^-18 on average), fp16 B within 4e-5 (AMX's 2-piece split: at most 2^-15 with an fp32 A).  With and
+  // without a B cache: AMX splits fp32 only where B is a tile kept packed (kernels.h, gemm).
   int const single_shapes[][3] = {{32, 32, 1}, {48, 64, 2}, {128, 48, 1}};
   struct Single {
     HostDType a, b;
@@ -244,10 +245,12 @@ void check_gemms(HostKernels const& k) {
   for (auto const& s : single_shapes) {
     for (Single const& t : singles) {
       for (bool col_major : {true, false}) {
-        check_gemm(k, GemmCase{.a_type = t.a, .b_type = t.b, .rows = s[0], .cols = s[1], .depth = s[2],
-                               .a_col_major = col_major, .b_k_contiguous = !col_major, .overwrite = true,
-                               .tolerance = t.tolerance});
-        ++n;
+        for (bool b_cached : {false, true}) {
+          check_gemm(k, GemmCase{.a_type = t.a, .b_type = t.b, .rows = s[0], .cols = s[1], .depth = s[2],
+                                 .a_col_major = col_major, .b_k_contiguous = !col_major, .overwrite = true,
+                                 .b_cached = b_cached, .tolerance = t.tolerance});
+          ++n;
+        }
       }
     }
   }
