@@ -131,7 +131,7 @@ void check_gemm(HostKernels const& k, GemmCase const& gc) {
     bool const keeps = (gc.b_type == HostDType::kBF16  ? k.bf16_kv_in_place
                         : gc.b_type == HostDType::kF16 ? k.f16_kv_in_place
                                                        : k.f32_kv_in_place) &&
-                       gc.rows > 8 && gc.cols >= 16 && gc.depth <= 256;
+                       (gc.b_type == HostDType::kBF16 || gc.rows > 16) && gc.cols >= 16 && gc.depth <= 256;
     CHECK(!keeps || b_cache.count == 2, "%s gemm b=%s %dx%dx%d: B not kept in the cache", k.name,
           type_name(gc.b_type), gc.rows, gc.cols, gc.depth);
   }

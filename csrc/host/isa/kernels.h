@@ -1407,12 +1407,14 @@ void gemm(HostGemmArgs const& in) {
 #endif
   if (gemm_few_rows(in)) { return; }
 #if FLASH_EXT_ISA_HAS_TILES
-  // fp16 and fp32 B split into bf16 tile products (gemm_tiles<2>, <3>), except for a few rows (decode steps:
-  // bound by reading K and V, which the split would pack, in 2-3 pieces, before its first product).  fp32 only
-  // where B is a K/V tile that a cache keeps packed for later GEMMs (the forward's prefill): packed per GEMM,
-  // its 3 pieces and A's cost more than the products save (the backward's GEMMs measured 1.2x the time).
-  if (in.rows > kSmallRows && in.b_type == HostDType::kF16) { return gemm_tiles<2>(in); }
-  if (in.rows > kSmallRows && in.b_type == HostDType::kF32 && in.b_cache != nullptr) { return gemm_tiles<3>(in); }
+  // fp16 and fp32 B split into bf16 tile products (gemm_tiles<2>, <3>), except for up to 16 rows (decode
+  // steps, one token or a GQA group as rows: bound by reading K and V, which the split would pack, in 2-3
+  // pieces, before its first product; a 16-row group measured ~1.15x the time split).  fp32 only where B is a
+  // K/V tile that a cache keeps packed for later GEMMs (the forward's prefill): packed per GEMM, its 3 pieces
+  // and A's cost more than the products save (the backward's GEMMs measured 1.2x the time).
+  constexpr int kSplitMinRows = 17;
+  if (in.rows >= kSplitMinRows && in.b_type == HostDType::kF16) { return gemm_tiles<2>(in); }
+  if (in.rows >= kSplitMinRows && in.b_type == HostDType::kF32 && in.b_cache != nullptr) { return gemm_tiles<3>(in); }
 #endif
   gemm_blocks(in);  // starts its accumulators from zero itself when overwriting
 }
