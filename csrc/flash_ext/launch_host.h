@@ -29,7 +29,7 @@ inline constexpr int kHostBlockMShort = 16;
 // Key columns per tile, by element type.  O lives in memory on the host and P.V reads and writes it once
 // per K/V tile, so a deeper P.V pays where the GEMM itself is fast: bf16 (vdpbf16ps, AMX tiles) measured
 // 5-10% faster with 128 than with 64; fp32 measured 3-7% slower (its S tile doubles to 64 KiB) and fp16
-// even (Intel Xeon with AMX, 2026-12-02, docs/perf.md), then, split on the AMX tiles, 4-12% slower
+// even (Intel Xeon with AMX, 2026-12-02, docs/perf.md), then, split on the AMX tiles, 4-13% slower
 // (2026-12-05: its packed K tile, hi and lo, would double to 64 KiB at d = 128).  Per element type, so no
 // extra instantiation.
 constexpr int host_block_n(bool bf16) { return bf16 ? 128 : 64; }
