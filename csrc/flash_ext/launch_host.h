@@ -169,9 +169,10 @@ bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int b
 }
 
 // A worker thread's HostTileCache for one call: room for the K and V tiles of one K/V head (seqlen_k keys, 32-deep
-// steps, in `pieces` bf16 pieces: 2 for fp16, 3 for fp32), up to one L2's worth (what does not fit is packed per GEMM, as without it).  A tile is packed once and
-// read by each of the head's row blocks on this thread, in place of a repacking (V, transposed into pairs) or
-// of reads of rows a head's stride apart (K) per row block.
+// steps, in `pieces` bf16 pieces: 2 for fp16, 3 for fp32), up to one L2's worth (what does not fit is packed per
+// GEMM, as without it).  A tile is packed once and read by each of the head's row blocks on this thread, in place
+// of a repacking (V, transposed into pairs; fp16/fp32: split) or of reads of rows a head's stride apart (K) per
+// row block.
 class HostKvTileCache {
  public:
   HostTileCache cache;
@@ -241,7 +242,8 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
   // Prefill stages its K/V tiles unless the level's GEMMs read them in place anyway (HostKernels).
   constexpr bool kBf16 = std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>;
   constexpr bool kF16 = std::is_same_v<typename Traits::Element, cutlass::half_t>;
-  bool const prefill_in_place = kBf16 ? kernels.bf16_kv_in_place : kF16 ? kernels.f16_kv_in_place : kernels.f32_kv_in_place;
+  bool const prefill_in_place =
+      kBf16 ? kernels.bf16_kv_in_place : kF16 ? kernels.f16_kv_in_place : kernels.f32_kv_in_place;
   parallel_for(int64_t(0), total, [&](int64_t begin, int64_t end) {
     HostCtaScope scope(kernels);
     alignas(128) char smem[Traits::kSmemBytes];  // the "shared memory" of one CTA

@@ -358,9 +358,8 @@ struct HostTraits : PlainGlobalMemory {
   // the GEMMs then read back from L2 as well (decode steps measured 9-17% more K/V bandwidth without it; bf16,
   // fp16, fp32; AVX-512 and AVX2 levels).  And a prefill CTA on a level whose GEMMs load K by tile rows from any
   // stride and pack V themselves (HostKernels::bf16_kv_in_place, AMX: 4-11% less time; f16_ and f32_kv_in_place,
-  // AMX, whose split GEMMs pack both).  Other
-  // prefill stages: there in-place reads were measured slower (the GEMMs' broadcast loads took the memory
-  // stalls that the staged copy overlaps).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or
+  // AMX, whose split GEMMs pack both).  Other prefill stages: there in-place reads were measured slower (the
+  // GEMMs' broadcast loads took the memory stalls that the staged copy overlaps).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or
   // head-dim padding (whole = false) is staged, zero-filled, as always, and its shared tile stops standing
   // for a global one.  Only row-major tiles of kBlockN rows qualify, i.e. sK and sV: the column-major Q tile
   // (kBlockM rows, possibly as many) is read from shared memory by a register copy, not by the tile GEMM.
