@@ -659,8 +659,8 @@ FLASH_EXT_INLINE void tile_block(float* c, int64_t ldc, uint16_t const* b, int64
 //   fp32 B, 3 pieces: an fp32 x is exactly hi + mid + lo (24 bits, 8 per piece; 16 at most left after hi, 8
 //     after mid).  Six products (those of piece orders summing to <= 2) leave out mid.lo, lo.mid, lo.lo:
 //     <= ~2^-23 |A(m, k) B(n, k)| per product, the order of fp32's own rounding of each sum (2^-24).
-// Subnormal pieces count as zero (tdpbf16ps), i.e. what is lost is below 2^-126.  The split products still
-// run at ~5x (fp16) and ~2.5x (fp32) the products per cycle of the fp32 FMAs they replace (docs/perf.md).
+// Subnormal pieces count as zero (tdpbf16ps), i.e. what is lost is below 2^-126.  The fp16 prefill measured about
+// half the time of the fp32 FMAs it ran on before, fp32 0.73-0.97 of it (docs/perf.md).
 // The packed forms hold the first piece of the whole (padded) depth, then the next: A's pairs of a row block
 // as pack_a_tiles lays them, q < ksteps * 16 of hi, then as many of the next piece; B's rows as pack_b_rows
 // writes them, each row its hi over the padded depth, then the next piece.
