@@ -95,8 +95,9 @@ def test_paged_split_kv(cpu_isa: str) -> None:
 # 2 or 3 bf16 pieces), for the head's later row blocks on the same thread (launch_host.h, HostKvTileCache).
 # Cases where a wrong entry would be found: query heads of one K/V group and two batch entries in a row (the
 # cache is emptied when the K/V head changes), K and V the same tensor (one address, two packed forms), and
-# more keys than one L2 holds at d = 256 (2 x 64 KiB per 128-key bf16 tile, 2 x 64 KiB per 64-key fp16 tile,
-# 2 x 96 KiB per 64-key fp32 tile: past 4 MiB of L2, the later tiles are packed per GEMM as without a cache).
+# more keys than the cache holds at d = 256 (2 x 64 KiB per 128-key bf16 tile, 2 x 64 KiB per 64-key fp16 tile,
+# 2 x 96 KiB per 64-key fp32 tile, against one L2, two for fp32: past 4 MiB of L2 (8 for fp32), the later tiles are
+# packed per GEMM as without a cache).
 @pytest.mark.parametrize("case", ["gqa", "k_is_v", "past_the_cache"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])

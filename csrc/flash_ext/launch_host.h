@@ -169,18 +169,21 @@ bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int b
 }
 
 // A worker thread's HostTileCache for one call: room for the K and V tiles of one K/V head (seqlen_k keys, 32-deep
-// steps, in `pieces` bf16 pieces: 2 for fp16, 3 for fp32), up to one L2's worth (what does not fit is packed per
-// GEMM, as without it).  A tile is packed once and read by each of the head's row blocks on this thread, in place
-// of a repacking (V, transposed into pairs; fp16/fp32: split) or of reads of rows a head's stride apart (K) per
-// row block.
+// steps, in `pieces` bf16 pieces: 2 for fp16, 3 for fp32), up to one L2's worth, two for fp32 (what does not fit
+// is packed per GEMM, as without it).  A tile is packed once and read by each of the head's row blocks on this
+// thread, in place of a repacking (V, transposed into pairs; fp16/fp32: split) or of reads of rows a head's stride
+// apart (K) per row block.  fp32's tiles, 96 KiB at d = 128, overflowed one L2 at 2048 keys: two measured
+// 1.07-1.19x SDPA against 0.93-1.01x; two for fp16 measured no different from one (docs/perf.md).
 class HostKvTileCache {
  public:
   HostTileCache cache;
   void reserve(int seqlen_k, int block_n, int head_dim, int pieces) {
     auto padded = [](int n) { return int64_t(n + 31) / 32 * 32; };
     int const tiles = ceil_div(seqlen_k, block_n);
-    int64_t const tile_bytes = (int64_t(block_n) * padded(head_dim) + int64_t(head_dim) * padded(block_n)) * 2 * pieces;
-    int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes, host_l2_bytes()) + 2 * 64;
+    int64_t const tile_bytes =
+        (int64_t(block_n) * padded(head_dim) + int64_t(head_dim) * padded(block_n)) * 2 * pieces;
+    int64_t const room = host_l2_bytes() * (pieces == 3 ? 2 : 1);
+    int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes, room) + 2 * 64;
     storage_.reset(new char[size_t(bytes) + 64]);
     entries_.reset(new HostTileCache::Entry[size_t(2 * tiles)]);
     uintptr_t const base = (reinterpret_cast<uintptr_t>(storage_.get()) + 63) / 64 * 64;
