@@ -193,6 +193,8 @@ FLASH_EXT_INLINE vf vexp2(vf x) {
 constexpr int kRowsPerBlock = kMaxRowVectors * kLanes;
 constexpr int64_t kBScratch = 16384;                    // fp32 elements of widened B (64 KiB)
 constexpr int64_t kAScratch = int64_t(kRowsPerBlock) * 256;  // fp32 elements of one packed A block
+// The fp32 GEMM of register blocks (defined last), also the fallback of the tile and few-row paths.
+void gemm_blocks(HostGemmArgs const& g);
 
 // How B's elements are laid out, for the broadcasts of a block: along the columns (B(n, k) = V(k, n) of
 // P.V: one k step reads NR neighbours), along k (K of Q.K^T: each column a contiguous run), or neither.
@@ -887,8 +889,6 @@ uint16_t const* cached_b_rows(HostGemmArgs const& g, int cols, int ld) {
   return out;
 }
 
-void gemm_blocks(HostGemmArgs const& g);
-
 // The GEMM on tiles: bf16 operands (kPieces 1), or both operands split into kPieces bf16 pieces as above.
 template <int kPieces>
 void gemm_tiles(HostGemmArgs const& g) {
@@ -1147,8 +1147,6 @@ void small_dots_cols(HostGemmArgs const& g, float const* at, int n0, int k0, int
     if (n < g.cols) { small_dots_cols<R, 1, kB>(g, at, n, k0, depth); }
   }
 }
-
-void gemm_blocks(HostGemmArgs const& g);
 
 template <int R, HostDType kB>
 void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
