@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "block_info.h"
 #include "combine.h"
@@ -107,11 +108,65 @@ static_assert(host_decode_splits(32768, 128, 1024, 512 << 10, 32) == 32, "capped
 static_assert(host_decode_splits(300, 128, 1024, 512 << 10, 128) == 1, "3 tiles fit in one split");
 static_assert(host_decode_splits(1024, 128, 8192, 512 << 10, 128) == 8, "a tile larger than the budget: one per split");
 
-// Reads one byte of every 64-byte line of [p, p + n) into acc: the lines come into this core's caches, and a
-// front-to-back run of such loads is the pattern the hardware prefetchers stream fastest.
-inline void touch_lines(char const* p, int64_t n, unsigned char& acc) {
-  for (int64_t i = 0; i < n; i += 64) { acc |= static_cast<unsigned char>(p[i]); }
-  if (n > 0) { acc |= static_cast<unsigned char>(p[n - 1]); }
+// Byte ranges of K and V, in the order they are read.
+struct HostWarmRange {
+  char const* first;
+  int64_t bytes;
+};
+
+// Streams the warming reads in at once: a core's L1 misses of one front-to-back stream measured ~12 GB/s on an
+// AMX Xeon, four streams interleaved ~15 (two cores at once: 12 and 15 each; docs/perf.md), as the hardware
+// prefetchers then run ahead in four places.
+constexpr int kWarmStreams = 4;
+
+// Calls touch(p) for an address p in every 64-byte line of ranges[0, count) (total bytes), and for no address
+// outside them.  The bytes are cut into kWarmStreams shares, one per cursor, and the cursors advance together,
+// a line each per step, so that kWarmStreams front-to-back streams are in flight.  Consecutive addresses of a
+// cursor lie at most 64 bytes apart, and each range's first and last bytes are among them, so no line is
+// skipped whatever the ranges' alignment.
+template <class Touch>
+void for_each_warm_line(HostWarmRange const* ranges, int count, int64_t total, Touch&& touch) {
+  struct Cursor {
+    int range;
+    int64_t offset;  // within ranges[range]
+    int64_t left;    // bytes of this cursor's share still to read
+  };
+  Cursor cur[kWarmStreams];
+  int64_t const share = (total / kWarmStreams + 63) / 64 * 64;
+  int r = 0;
+  int64_t base = 0;  // bytes before ranges[r]
+  for (int s = 0; s < kWarmStreams; ++s) {
+    int64_t const start = s * share;
+    while (r < count && base + ranges[r].bytes <= start) { base += ranges[r++].bytes; }
+    cur[s] = r < count ? Cursor{r, start - base, cute::min(share, total - start)} : Cursor{count, 0, 0};
+  }
+  for (;;) {
+    int64_t step = INT64_MAX;
+    for (Cursor const& c : cur) {
+      if (c.left > 0) { step = cute::min(step, cute::min(c.left, ranges[c.range].bytes - c.offset)); }
+    }
+    if (step == INT64_MAX) { return; }
+    char const* p[kWarmStreams];
+    for (int s = 0; s < kWarmStreams; ++s) { p[s] = cur[s].left > 0 ? ranges[cur[s].range].first + cur[s].offset : nullptr; }
+    if (p[0] != nullptr && p[kWarmStreams - 1] != nullptr) {  // every cursor live (shares start in order)
+      for (int64_t i = 0; i < step; i += 64) {
+#pragma GCC unroll 4
+        for (int s = 0; s < kWarmStreams; ++s) { touch(p[s] + i); }
+      }
+    } else {
+      for (int s = 0; s < kWarmStreams; ++s) {
+        for (int64_t i = 0; p[s] != nullptr && i < step; i += 64) { touch(p[s] + i); }
+      }
+    }
+    for (Cursor& c : cur) {
+      if (c.left <= 0) { continue; }
+      c.left -= step, c.offset += step;
+      if (c.offset >= ranges[c.range].bytes) {
+        touch(ranges[c.range].first + ranges[c.range].bytes - 1);
+        ++c.range, c.offset = 0;
+      }
+    }
+  }
 }
 
 // The byte ranges of K and V that the work items (bidb, n_split, bidh_first .. bidh_last) will read, as
@@ -154,18 +209,35 @@ void for_each_warm_range(FwdParams const& params, DynamicFlags const& flags, int
   ranges(params.v_ptr, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
 }
 
-// Reads the ranges of for_each_warm_range into this core's caches; false when there were none.
+// for_each_warm_range's ranges into `ranges` (abutting ones merged: one per K and V when a split's rows lie back
+// to back, as in a (b, s, h_k, d) cache); returns their bytes.
+template <class Traits>
+int64_t collect_warm_ranges(FwdParams const& params, DynamicFlags const& flags, int bidb, int n_split, int bidh_first,
+                            int bidh_last, std::vector<HostWarmRange>& ranges) {
+  ranges.clear();
+  int64_t total = 0;
+  for_each_warm_range<Traits>(params, flags, bidb, n_split, bidh_first, bidh_last, [&](char const* p, int64_t n) {
+    if (!ranges.empty() && ranges.back().first + ranges.back().bytes == p) {
+      ranges.back().bytes += n;
+    } else {
+      ranges.push_back({p, n});
+    }
+    total += n;
+  });
+  return total;
+}
+
+// Reads one byte of every line of those ranges into this core's caches (for_each_warm_line); false when there
+// were none.  `ranges`: the caller's, reused across calls.
 template <class Traits>
 bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int bidb, int n_split, int bidh_first,
-                       int bidh_last) {
+                       int bidh_last, std::vector<HostWarmRange>& ranges) {
+  int64_t const total = collect_warm_ranges<Traits>(params, flags, bidb, n_split, bidh_first, bidh_last, ranges);
   unsigned char acc = 0;
-  bool warmed = false;
-  for_each_warm_range<Traits>(params, flags, bidb, n_split, bidh_first, bidh_last, [&](char const* p, int64_t n) {
-    touch_lines(p, n, acc);
-    warmed = true;
-  });
+  for_each_warm_line(ranges.data(), int(ranges.size()), total,
+                     [&](char const* p) { acc |= static_cast<unsigned char>(*p); });
   asm volatile("" : : "r"(acc));  // the loads are the point; keep them
-  return warmed;
+  return total > 0;
 }
 
 // A worker thread's HostTileCache for one call: room for the K and V tiles of one K/V head (seqlen_k keys, 32-deep
@@ -268,6 +340,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
       // with P split there: docs/perf.md).
       if (kBf16 && !flags.dropout) { scope.set_p_cache(&p_cache); }
     }
+    std::vector<HostWarmRange> warm_ranges;  // decode: warm_decode_split's
     int64_t kv_head = -1;  // the (batch, K/V head) whose tiles kv_cache holds
     bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place
     for (int64_t i = begin; i < end; ++i) {
@@ -279,7 +352,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
         bidb = int(rest / num_splits);
         if (bidh == 0 || i == begin) {  // the first of this group's heads on this thread
           int const last = int(cute::min<int64_t>(params.h - 1, bidh + (end - 1 - i)));
-          warmed = warm_decode_split<Traits>(params, flags, bidb, n_split, bidh, last);
+          warmed = warm_decode_split<Traits>(params, flags, bidb, n_split, bidh, last, warm_ranges);
         }
       } else {
         m_block = int(i % num_m_blocks);

@@ -179,10 +179,29 @@ bool check_warm_ranges(int layout, int num_splits, int wl, int d) {
             missed += !(marked[c - lo] && marked[c - lo + 1]);
           }
     }
-  bool const ok = inside && (layout == 2 ? ranges == 0 : missed == 0 && ranges > 0);
-  std::printf("%s warm ranges, layout %d d %d splits %d window %d: %lld ranges, %s, %lld elements not covered\n",
+  // The warming's reads (for_each_warm_line over the merged ranges, per group): every address inside a range,
+  // every line of every range read.
+  std::vector<unsigned char> touched_line(marked.size() / 64 + 2, 0);
+  int64_t outside = 0, lines_missed = 0;
+  std::vector<HostWarmRange> merged;
+  auto const line = [&](char const* c) { return (reinterpret_cast<uintptr_t>(c) - reinterpret_cast<uintptr_t>(lo) / 64 * 64) / 64; };
+  for (int ib = 0; ib < b; ++ib)
+    for (int s = 0; s < num_splits; ++s) {
+      std::fill(touched_line.begin(), touched_line.end(), 0);
+      int64_t const total = collect_warm_ranges<Traits>(p, flags, ib, s, 0, h - 1, merged);
+      for_each_warm_line(merged.data(), int(merged.size()), total, [&](char const* c) {
+        bool const in = c >= lo && c < hi && marked[c - lo];
+        outside += !in;
+        if (in) { touched_line[line(c)] = 1; }
+      });
+      for (HostWarmRange const& r : merged)
+        for (uintptr_t l = line(r.first); l <= line(r.first + r.bytes - 1); ++l) { lines_missed += !touched_line[l]; }
+    }
+  bool const ok = inside && outside == 0 && lines_missed == 0 && (layout == 2 ? ranges == 0 : missed == 0 && ranges > 0);
+  std::printf("%s warm ranges, layout %d d %d splits %d window %d: %lld ranges, %s, %lld elements not covered; "
+              "reads: %lld outside, %lld lines not read\n",
               ok ? "ok  " : "FAIL", layout, d, num_splits, wl, (long long)ranges, inside ? "all inside" : "SOME OUTSIDE",
-              (long long)missed);
+              (long long)missed, (long long)outside, (long long)lines_missed);
   return ok;
 }
 
