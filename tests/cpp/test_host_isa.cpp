@@ -187,7 +187,11 @@ void check_gemms(HostKernels const& k) {
                            // depth past one chunk of the dot products, rows up to AVX-512's 8 (the bf16
                            // dot products up to 6: both sides of that bound), a depth tail short of a vector
                            {1, 64, 128}, {3, 130, 64}, {2, 37, 1040}, {4, 9, 16}, {5, 64, 48}, {8, 40, 24},
-                           {6, 33, 80}, {7, 48, 96}};
+                           {6, 33, 80}, {7, 48, 96},
+                           // few rows against whole 32-column blocks of n-contiguous B (the AMX level's decode
+                           // P.V, tiles_few_rows_pv): 64- and 32-column groups, an odd depth, B's scratch just
+                           // filled (d = 256) and just exceeded (the C^T path instead)
+                           {4, 128, 128}, {12, 96, 37}, {16, 256, 128}, {2, 32, 300}, {9, 256, 160}};
   int n = 0;
   for (HostDType at : types) {
     for (HostDType bt : types) {

@@ -889,6 +889,127 @@ uint16_t const* cached_b_rows(HostGemmArgs const& g, int cols, int ld) {
   return out;
 }
 
+// Few rows against B contiguous along the columns (a decode step's P.V: 1-16 rows of P against a V tile that is
+// read once).  gemm_tiles computes C^T, whose first operand is B's rows along k: V transposed, 16 x 16 blocks
+// of pairs at a time, for every tile (2.7 us of a 3.5 us decode tile at d = 128, 4 live rows, bench_host_gemm).
+// Here the tiles compute C itself: first operand A's rows (P's rows of k-pairs: A's pairs of 16 rows, the
+// pack_a_pairs form, transposed once per 32 k), second operand B's k-pairs along the columns, two rows of V
+// interleaved a vector at a time (bf16_row_pairs2, in the level's column order).  C's tiles (16 rows x 16
+// columns, row-major) go through scratch and are transposed into column-major C.  The products and their
+// fp32 sums are those of gemm_tiles (the same bf16 roundings of A, by vbf16_pairs).
+// B of at most kTileBScratch bf16 (k padded to whole tile steps x columns); columns a multiple of 32.
+bool tiles_few_rows_pv(HostGemmArgs const& g) {
+  int const ksteps = (g.depth + kTileK - 1) / kTileK;
+  if (g.rows > 16 || g.b_ns != 1 || g.a_ms != 1 || g.a_type != HostDType::kF32 || g.b_cache != nullptr ||
+      g.a_cache != nullptr || g.cols % 32 != 0 || g.ldc < 16 || int64_t(ksteps) * kTileK * g.cols > kTileBScratch ||
+      ksteps * 256 > kTileAScratch) {
+    return false;
+  }
+  int const pairs = ksteps * 16;   // k-pairs of A and B, zero past depth
+  alignas(64) uint32_t bpairs[kTileBScratch / 2];  // B(n, k-pair q) at q * cols + the level's column order
+  alignas(64) uint32_t apairs[kTileAScratch];      // A(m, k-pair q) at (q / 16) * 256 + m * 16 + q % 16
+  alignas(64) uint32_t packed[16 * 16];            // one tile step of pack_a_pairs' form: q * 16 + m
+  uint16_t const* const b = static_cast<uint16_t const*>(g.b);
+  for (int q = 0; q < pairs; ++q) {
+    int const k = 2 * q;
+    uint32_t* out = bpairs + int64_t(q) * g.cols;
+    if (k >= g.depth) {
+      __builtin_memset(out, 0, sizeof(uint32_t) * g.cols);
+      continue;
+    }
+    uint16_t const* even = b + int64_t(k) * g.b_ks;
+    uint16_t const* odd = k + 1 < g.depth ? even + g.b_ks : nullptr;
+    for (int j = 0; j < g.cols; j += 2 * kLanes) {
+      vu p0, p1;
+      bf16_row_pairs2(even + j, odd != nullptr ? odd + j : nullptr, p0, p1);
+      __builtin_memcpy(out + j, &p0, sizeof(vu));
+      __builtin_memcpy(out + j + kLanes, &p1, sizeof(vu));
+    }
+  }
+  for (int s = 0; s < ksteps; ++s) {
+    HostGemmArgs step = g;
+    step.a = static_cast<float const*>(g.a) + int64_t(s) * kTileK * g.a_ks;
+    int const depth = g.depth - s * kTileK < kTileK ? g.depth - s * kTileK : kTileK;
+    pack_a_pairs<1>(step, 0, 0, depth, packed);
+    vu rows[16], cols[16];
+    for (int i = 0; i < 16; ++i) {
+      if (2 * i < depth) {
+        __builtin_memcpy(&rows[i], packed + i * 16, sizeof(vu));
+      } else {
+        rows[i] = vu{};
+      }
+    }
+    vtranspose(rows, cols);
+    for (int m = 0; m < 16; ++m) { __builtin_memcpy(apairs + s * 256 + m * 16, &cols[m], sizeof(vu)); }
+  }
+  // Column i of a tile (i < 16) of B's columns j .. j + 31, half h: C's column j + col_of(h, i).
+  auto col_of = [](int h, int i) {
+#if FLASH_EXT_ISA_HAS_PAIR_ROWS
+    return 8 * (i / 4) + 4 * h + i % 4;  // vpunpcklwd / vpunpckhwd order (avx512_bf16.h)
+#else
+    return 16 * h + i;
+#endif
+  };
+  int64_t const b_row = int64_t(g.cols) * int64_t(sizeof(uint32_t));
+  alignas(64) float ct[4][16 * 16];
+  // C tile t (16 columns: half t % 2 of B's columns j + 32 (t / 2) ..) into C's columns, all 16 rows (as
+  // gemm_tiles, which stores whole 16-row tiles too).
+  auto add_tile = [&](int j, int t) {
+    vu in[16], out[16];
+    for (int m = 0; m < 16; ++m) { __builtin_memcpy(&in[m], ct[t] + m * 16, sizeof(vu)); }
+    vtranspose(in, out);  // out[i]: column i of the tile, its 16 rows
+    for (int i = 0; i < 16; ++i) {
+      float* c = g.c + int64_t(j + 32 * (t / 2) + col_of(t % 2, i)) * g.ldc;
+      vf const v = (vf)out[i];
+      vstore(c, g.overwrite ? v : vload(c) + v);
+    }
+  };
+  tiles_begin();
+  int j = 0;
+  // 64 columns at a time: four C tiles accumulate at once (tdpbf16ps's latency is several of its issue
+  // intervals); A's tile is loaded once per step for all four.
+  for (; j + 64 <= g.cols; j += 64) {
+    FLASH_EXT_TILE_ZERO(0);
+    FLASH_EXT_TILE_ZERO(1);
+    FLASH_EXT_TILE_ZERO(2);
+    FLASH_EXT_TILE_ZERO(3);
+    for (int s = 0; s < ksteps; ++s) {
+      uint32_t const* bt = bpairs + int64_t(s) * 16 * g.cols + j;
+      FLASH_EXT_TILE_LOAD(4, apairs + s * 256, 64);
+      FLASH_EXT_TILE_LOAD(5, bt, b_row);
+      FLASH_EXT_TILE_LOAD(6, bt + 16, b_row);
+      FLASH_EXT_TILE_LOAD(7, bt + 32, b_row);
+      FLASH_EXT_TILE_DOT(0, 4, 5);
+      FLASH_EXT_TILE_DOT(1, 4, 6);
+      FLASH_EXT_TILE_DOT(2, 4, 7);
+      FLASH_EXT_TILE_LOAD(5, bt + 48, b_row);
+      FLASH_EXT_TILE_DOT(3, 4, 5);
+    }
+    FLASH_EXT_TILE_STORE(0, ct[0], 64);
+    FLASH_EXT_TILE_STORE(1, ct[1], 64);
+    FLASH_EXT_TILE_STORE(2, ct[2], 64);
+    FLASH_EXT_TILE_STORE(3, ct[3], 64);
+    for (int t = 0; t < 4; ++t) { add_tile(j, t); }
+  }
+  for (; j < g.cols; j += 32) {
+    FLASH_EXT_TILE_ZERO(0);
+    FLASH_EXT_TILE_ZERO(1);
+    for (int s = 0; s < ksteps; ++s) {
+      uint32_t const* bt = bpairs + int64_t(s) * 16 * g.cols + j;
+      FLASH_EXT_TILE_LOAD(4, apairs + s * 256, 64);
+      FLASH_EXT_TILE_LOAD(6, bt, b_row);
+      FLASH_EXT_TILE_LOAD(7, bt + 16, b_row);
+      FLASH_EXT_TILE_DOT(0, 4, 6);
+      FLASH_EXT_TILE_DOT(1, 4, 7);
+    }
+    FLASH_EXT_TILE_STORE(0, ct[0], 64);
+    FLASH_EXT_TILE_STORE(1, ct[1], 64);
+    for (int t = 0; t < 2; ++t) { add_tile(j, t); }
+  }
+  tiles_end();
+  return true;
+}
+
 // The GEMM on tiles: bf16 operands (kPieces 1), or both operands split into kPieces bf16 pieces as above.
 template <int kPieces>
 void gemm_tiles(HostGemmArgs const& g) {
@@ -1389,7 +1510,10 @@ void gemm(HostGemmArgs const& in) {
   if (in.rows <= 0 || in.cols <= 0) { return; }
 #if FLASH_EXT_ISA_HAS_TILES
   // The tiles start from zero themselves.
-  if (in.depth > 0 && in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) { return gemm_tiles<1>(in); }
+  if (in.depth > 0 && in.b_type == HostDType::kBF16 && in.a_type != HostDType::kF16) {
+    if (tiles_few_rows_pv(in)) { return; }
+    return gemm_tiles<1>(in);
+  }
 #endif
   if (in.depth <= 0) {
     if (in.overwrite) { zero_c(in); }
