@@ -189,9 +189,9 @@ void check_gemms(HostKernels const& k) {
                            {1, 64, 128}, {3, 130, 64}, {2, 37, 1040}, {4, 9, 16}, {5, 64, 48}, {8, 40, 24},
                            {6, 33, 80}, {7, 48, 96},
                            // few rows against whole 32-column blocks of n-contiguous B (the AMX level's decode
-                           // P.V, tiles_few_rows_pv): 64- and 32-column groups, an odd depth, B's scratch just
-                           // filled (d = 256) and just exceeded (the C^T path instead)
-                           {4, 128, 128}, {12, 96, 37}, {16, 256, 128}, {2, 32, 300}, {9, 256, 160}};
+                           // P.V, tiles_few_rows_pv): 64- and 32-column groups, an odd depth, d = 256, A's
+                           // scratch just filled (depth 512) and just exceeded (the C^T path instead)
+                           {4, 128, 128}, {12, 96, 37}, {16, 256, 160}, {2, 32, 300}, {9, 64, 512}, {3, 64, 513}};
   int n = 0;
   for (HostDType at : types) {
     for (HostDType bt : types) {

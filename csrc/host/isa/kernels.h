@@ -894,38 +894,20 @@ uint16_t const* cached_b_rows(HostGemmArgs const& g, int cols, int ld) {
 // of pairs at a time, for every tile (2.7 us of a 3.5 us decode tile at d = 128, 4 live rows, bench_host_gemm).
 // Here the tiles compute C itself: first operand A's rows (P's rows of k-pairs: A's pairs of 16 rows, the
 // pack_a_pairs form, transposed once per 32 k), second operand B's k-pairs along the columns, two rows of V
-// interleaved a vector at a time (bf16_row_pairs2, in the level's column order).  C's tiles (16 rows x 16
+// interleaved a vector at a time (bf16_row_pairs2, in the level's column order), 32 k x 64 columns packed just
+// before their products so that the tiles read them back from L1 (packing all of B first, 32 KiB at d = 128,
+// measured 1.7-2.0 us per tile against 1.1-1.2: its pairs came back from L2).  C's tiles (16 rows x 16
 // columns, row-major) go through scratch and are transposed into column-major C.  The products and their
 // fp32 sums are those of gemm_tiles (the same bf16 roundings of A, by vbf16_pairs).
-// B of at most kTileBScratch bf16 (k padded to whole tile steps x columns); columns a multiple of 32.
+// Depth up to 512 (A's pairs in kTileAScratch); columns a multiple of 32.
 bool tiles_few_rows_pv(HostGemmArgs const& g) {
   int const ksteps = (g.depth + kTileK - 1) / kTileK;
   if (g.rows > 16 || g.b_ns != 1 || g.a_ms != 1 || g.a_type != HostDType::kF32 || g.b_cache != nullptr ||
-      g.a_cache != nullptr || g.cols % 32 != 0 || g.ldc < 16 || int64_t(ksteps) * kTileK * g.cols > kTileBScratch ||
-      ksteps * 256 > kTileAScratch) {
+      g.a_cache != nullptr || g.cols % 32 != 0 || g.ldc < 16 || ksteps * 256 > kTileAScratch) {
     return false;
   }
-  int const pairs = ksteps * 16;   // k-pairs of A and B, zero past depth
-  alignas(64) uint32_t bpairs[kTileBScratch / 2];  // B(n, k-pair q) at q * cols + the level's column order
-  alignas(64) uint32_t apairs[kTileAScratch];      // A(m, k-pair q) at (q / 16) * 256 + m * 16 + q % 16
-  alignas(64) uint32_t packed[16 * 16];            // one tile step of pack_a_pairs' form: q * 16 + m
-  uint16_t const* const b = static_cast<uint16_t const*>(g.b);
-  for (int q = 0; q < pairs; ++q) {
-    int const k = 2 * q;
-    uint32_t* out = bpairs + int64_t(q) * g.cols;
-    if (k >= g.depth) {
-      __builtin_memset(out, 0, sizeof(uint32_t) * g.cols);
-      continue;
-    }
-    uint16_t const* even = b + int64_t(k) * g.b_ks;
-    uint16_t const* odd = k + 1 < g.depth ? even + g.b_ks : nullptr;
-    for (int j = 0; j < g.cols; j += 2 * kLanes) {
-      vu p0, p1;
-      bf16_row_pairs2(even + j, odd != nullptr ? odd + j : nullptr, p0, p1);
-      __builtin_memcpy(out + j, &p0, sizeof(vu));
-      __builtin_memcpy(out + j + kLanes, &p1, sizeof(vu));
-    }
-  }
+  alignas(64) uint32_t apairs[kTileAScratch];  // A(m, k-pair q) at (q / 16) * 256 + m * 16 + q % 16
+  alignas(64) uint32_t packed[16 * 16];        // one tile step of pack_a_pairs' form: q * 16 + m
   for (int s = 0; s < ksteps; ++s) {
     HostGemmArgs step = g;
     step.a = static_cast<float const*>(g.a) + int64_t(s) * kTileK * g.a_ks;
@@ -942,6 +924,28 @@ bool tiles_few_rows_pv(HostGemmArgs const& g) {
     vtranspose(rows, cols);
     for (int m = 0; m < 16; ++m) { __builtin_memcpy(apairs + s * 256 + m * 16, &cols[m], sizeof(vu)); }
   }
+  // B's 16 k-pairs of tile step s, columns j .. j + width (width 32 or 64), as tile rows of width pairs at
+  // bpairs: packed just before its products, so that they are read back from L1 (V itself is read once).
+  alignas(64) uint32_t bpairs[16 * 64];
+  uint16_t const* const b = static_cast<uint16_t const*>(g.b);
+  auto pack_b = [&](int s, int j, int width) {
+    for (int r = 0; r < 16; ++r) {
+      int const k = s * kTileK + 2 * r;
+      uint32_t* out = bpairs + r * width;
+      if (k >= g.depth) {
+        __builtin_memset(out, 0, sizeof(uint32_t) * width);
+        continue;
+      }
+      uint16_t const* even = b + int64_t(k) * g.b_ks + j;
+      uint16_t const* odd = k + 1 < g.depth ? even + g.b_ks : nullptr;
+      for (int c = 0; c < width; c += 2 * kLanes) {
+        vu p0, p1;
+        bf16_row_pairs2(even + c, odd != nullptr ? odd + c : nullptr, p0, p1);
+        __builtin_memcpy(out + c, &p0, sizeof(vu));
+        __builtin_memcpy(out + c + kLanes, &p1, sizeof(vu));
+      }
+    }
+  };
   // Column i of a tile (i < 16) of B's columns j .. j + 31, half h: C's column j + col_of(h, i).
   auto col_of = [](int h, int i) {
 #if FLASH_EXT_ISA_HAS_PAIR_ROWS
@@ -950,7 +954,6 @@ bool tiles_few_rows_pv(HostGemmArgs const& g) {
     return 16 * h + i;
 #endif
   };
-  int64_t const b_row = int64_t(g.cols) * int64_t(sizeof(uint32_t));
   alignas(64) float ct[4][16 * 16];
   // C tile t (16 columns: half t % 2 of B's columns j + 32 (t / 2) ..) into C's columns, all 16 rows (as
   // gemm_tiles, which stores whole 16-row tiles too).
@@ -974,15 +977,15 @@ bool tiles_few_rows_pv(HostGemmArgs const& g) {
     FLASH_EXT_TILE_ZERO(2);
     FLASH_EXT_TILE_ZERO(3);
     for (int s = 0; s < ksteps; ++s) {
-      uint32_t const* bt = bpairs + int64_t(s) * 16 * g.cols + j;
+      pack_b(s, j, 64);
       FLASH_EXT_TILE_LOAD(4, apairs + s * 256, 64);
-      FLASH_EXT_TILE_LOAD(5, bt, b_row);
-      FLASH_EXT_TILE_LOAD(6, bt + 16, b_row);
-      FLASH_EXT_TILE_LOAD(7, bt + 32, b_row);
+      FLASH_EXT_TILE_LOAD(5, bpairs, 256);
+      FLASH_EXT_TILE_LOAD(6, bpairs + 16, 256);
+      FLASH_EXT_TILE_LOAD(7, bpairs + 32, 256);
       FLASH_EXT_TILE_DOT(0, 4, 5);
       FLASH_EXT_TILE_DOT(1, 4, 6);
       FLASH_EXT_TILE_DOT(2, 4, 7);
-      FLASH_EXT_TILE_LOAD(5, bt + 48, b_row);
+      FLASH_EXT_TILE_LOAD(5, bpairs + 48, 256);
       FLASH_EXT_TILE_DOT(3, 4, 5);
     }
     FLASH_EXT_TILE_STORE(0, ct[0], 64);
@@ -995,10 +998,10 @@ bool tiles_few_rows_pv(HostGemmArgs const& g) {
     FLASH_EXT_TILE_ZERO(0);
     FLASH_EXT_TILE_ZERO(1);
     for (int s = 0; s < ksteps; ++s) {
-      uint32_t const* bt = bpairs + int64_t(s) * 16 * g.cols + j;
+      pack_b(s, j, 32);
       FLASH_EXT_TILE_LOAD(4, apairs + s * 256, 64);
-      FLASH_EXT_TILE_LOAD(6, bt, b_row);
-      FLASH_EXT_TILE_LOAD(7, bt + 16, b_row);
+      FLASH_EXT_TILE_LOAD(6, bpairs, 128);
+      FLASH_EXT_TILE_LOAD(7, bpairs + 16, 128);
       FLASH_EXT_TILE_DOT(0, 4, 6);
       FLASH_EXT_TILE_DOT(1, 4, 7);
     }
