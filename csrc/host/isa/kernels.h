@@ -967,48 +967,42 @@ bool tiles_few_rows_pv(HostGemmArgs const& g) {
       vstore(c, g.overwrite ? v : vload(c) + v);
     }
   };
-  tiles_begin();
-  int j = 0;
-  // 64 columns at a time: four C tiles accumulate at once (tdpbf16ps's latency is several of its issue
-  // intervals); A's tile is loaded once per step for all four.
-  for (; j + 64 <= g.cols; j += 64) {
+  // NT = 4: 64 columns at a time, four C tiles accumulating at once (tdpbf16ps's latency is several of its issue
+  // intervals) from one load of A's tile per step; NT = 2 for a last 32.
+  auto group = [&]<int NT>(int j) {
+    int64_t const ld = NT * 16 * int64_t(sizeof(uint32_t));  // bytes of a packed row
     FLASH_EXT_TILE_ZERO(0);
     FLASH_EXT_TILE_ZERO(1);
-    FLASH_EXT_TILE_ZERO(2);
-    FLASH_EXT_TILE_ZERO(3);
+    if constexpr (NT == 4) {
+      FLASH_EXT_TILE_ZERO(2);
+      FLASH_EXT_TILE_ZERO(3);
+    }
     for (int s = 0; s < ksteps; ++s) {
-      pack_b(s, j, 64);
+      pack_b(s, j, NT * 16);
       FLASH_EXT_TILE_LOAD(4, apairs + s * 256, 64);
-      FLASH_EXT_TILE_LOAD(5, bpairs, 256);
-      FLASH_EXT_TILE_LOAD(6, bpairs + 16, 256);
-      FLASH_EXT_TILE_LOAD(7, bpairs + 32, 256);
+      FLASH_EXT_TILE_LOAD(5, bpairs, ld);
+      FLASH_EXT_TILE_LOAD(6, bpairs + 16, ld);
+      if constexpr (NT == 4) { FLASH_EXT_TILE_LOAD(7, bpairs + 32, ld); }
       FLASH_EXT_TILE_DOT(0, 4, 5);
       FLASH_EXT_TILE_DOT(1, 4, 6);
-      FLASH_EXT_TILE_DOT(2, 4, 7);
-      FLASH_EXT_TILE_LOAD(5, bpairs + 48, 256);
-      FLASH_EXT_TILE_DOT(3, 4, 5);
+      if constexpr (NT == 4) {
+        FLASH_EXT_TILE_DOT(2, 4, 7);
+        FLASH_EXT_TILE_LOAD(5, bpairs + 48, ld);
+        FLASH_EXT_TILE_DOT(3, 4, 5);
+      }
     }
     FLASH_EXT_TILE_STORE(0, ct[0], 64);
     FLASH_EXT_TILE_STORE(1, ct[1], 64);
-    FLASH_EXT_TILE_STORE(2, ct[2], 64);
-    FLASH_EXT_TILE_STORE(3, ct[3], 64);
-    for (int t = 0; t < 4; ++t) { add_tile(j, t); }
-  }
-  for (; j < g.cols; j += 32) {
-    FLASH_EXT_TILE_ZERO(0);
-    FLASH_EXT_TILE_ZERO(1);
-    for (int s = 0; s < ksteps; ++s) {
-      pack_b(s, j, 32);
-      FLASH_EXT_TILE_LOAD(4, apairs + s * 256, 64);
-      FLASH_EXT_TILE_LOAD(6, bpairs, 128);
-      FLASH_EXT_TILE_LOAD(7, bpairs + 16, 128);
-      FLASH_EXT_TILE_DOT(0, 4, 6);
-      FLASH_EXT_TILE_DOT(1, 4, 7);
+    if constexpr (NT == 4) {
+      FLASH_EXT_TILE_STORE(2, ct[2], 64);
+      FLASH_EXT_TILE_STORE(3, ct[3], 64);
     }
-    FLASH_EXT_TILE_STORE(0, ct[0], 64);
-    FLASH_EXT_TILE_STORE(1, ct[1], 64);
-    for (int t = 0; t < 2; ++t) { add_tile(j, t); }
-  }
+    for (int t = 0; t < NT; ++t) { add_tile(j, t); }
+  };
+  tiles_begin();
+  int j = 0;
+  for (; j + 64 <= g.cols; j += 64) { group.template operator()<4>(j); }
+  if (j < g.cols) { group.template operator()<2>(j); }  // g.cols % 64 == 32
   tiles_end();
   return true;
 }
