@@ -26,6 +26,7 @@
 
 #include <cutlass/numeric_types.h>
 
+#include "flash_ext/gemm.h"
 #include "flash_ext/host_isa.h"
 
 namespace {
@@ -137,16 +138,18 @@ int main(int argc, char** argv) {
           vs.push_back(random_operand(size_t(N) * d, t));
         }
         Operand const& kk = ks[0];
-        std::vector<float> s(size_t(M) * N), o(size_t(M) * d, 0.f);
-        // S(m, n) = s[m + n * M]; Q(m, k) = q[m + k * M]; K(n, k) = kk[n * d + k]; V(n, j) = v[n * d + j].
-        HostGemmArgs const qk{s.data(), M, q.full.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, M, N, d, true};
+        // S and O with the body's padded column stride (gemm.h); Q column-major dense, as its fragment is.
+        int const ld = flash_ext::host_acc_column_stride(M);
+        std::vector<float> s(size_t(ld) * N), o(size_t(ld) * d, 0.f);
+        // S(m, n) = s[m + n * ld]; Q(m, k) = q[m + k * M]; K(n, k) = kk[n * d + k]; V(n, j) = v[n * d + j].
+        HostGemmArgs const qk{s.data(), ld, q.full.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, M, N, d, true};
         k.gemm(qk);
         double err = 0.0;
         for (int m = 0; m < M; m += 13) {
           for (int n = 0; n < N; n += 7) {
             double ref = 0.0;
             for (int c = 0; c < d; ++c) { ref += double(q.full[m + size_t(c) * M]) * kk.full[size_t(n) * d + c]; }
-            err = std::fmax(err, std::fabs(ref - s[m + size_t(n) * M]));
+            err = std::fmax(err, std::fabs(ref - s[m + size_t(n) * ld]));
           }
         }
         if (!(err < 0.05)) {
@@ -159,7 +162,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < tiles; ++i) {
           qks.push_back(qk);
           qks.back().b = ks[i].data(t);
-          pvs.push_back({o.data(), M, s.data(), HostDType::kF32, 1, M, vs[i].data(t), t, 1, d, M, d, N, false});
+          pvs.push_back({o.data(), ld, s.data(), HostDType::kF32, 1, ld, vs[i].data(t), t, 1, d, M, d, N, false});
         }
         int next = 0;
         double const flops = 2.0 * M * N * d * iters;

@@ -111,20 +111,33 @@ void gemm_sr(Acc&, FragA&, FragB const&, SmemA const&, TiledMma const&, CopyA co
 }
 
 // An accumulator tile of TiledMma over `shape`: partition_fragment_C's, except on the host, where its array is
-// left uninitialised.  cute's owning tensor value-initialises its array when constructed: free in registers,
-// but on the host a memset of the whole tile in memory (64 KiB for a 128 x 128 S, once per K/V tile; 6% of a
-// bf16 prefill's time on AMX, docs/perf.md).  The body writes every accumulator before reading it: a clear,
-// or on the host an overwriting first GEMM (kZeroS, kZeroAcc).
+// left uninitialised and its columns padded (host_acc_column_stride).  cute's owning tensor value-initialises
+// its array when constructed: free in registers, but on the host a memset of the whole tile in memory (64 KiB
+// for a 128 x 128 S, once per K/V tile; 6% of a bf16 prefill's time on AMX, docs/perf.md).  The body writes
+// every accumulator before reading it: a clear, or on the host an overwriting first GEMM (kZeroS, kZeroAcc).
 template <class T, size_t N>
 struct UninitializedArrayEngine : cute::ArrayEngine<T, N> {
   UninitializedArrayEngine() {}  // user-provided: value-initialisation calls it, and it leaves the array as is
 };
 
+// The column stride of a host accumulator tile of `rows` rows (column-major).  A plain stride of 64 or 128
+// floats is a power-of-two number of 64-byte lines, so one row vector's columns (the softmax's pass over a row
+// block of S, a register block's C columns) fall into 64 / 4 or 64 / 8 of L1's 64 sets and evict each other
+// before the tile is done with them.  One more line per column (an odd number of lines) spreads them over
+// every set and keeps each column 64-byte aligned.  Measured on the AVX2 level: docs/perf.md.
+constexpr int host_acc_column_stride(int rows) { return rows % 16 == 0 && rows >= 64 ? rows + 16 : rows; }
+static_assert(host_acc_column_stride(128) * 4 / 64 % 2 == 1 && host_acc_column_stride(64) * 4 / 64 % 2 == 1);
+
 template <class Traits, class TiledMma, class Shape>
 CUTE_HOST_DEVICE auto make_acc_fragment(TiledMma const& tiled_mma, Shape const& shape) {
   if constexpr (Traits::kIsHost) {
     using Acc = decltype(cute::partition_fragment_C(tiled_mma, shape));
-    using Layout = typename Acc::layout_type;
+    using L = typename Acc::layout_type;
+    constexpr int kRows = decltype(cute::size<1>(L{}))::value;
+    constexpr int kCols = decltype(cute::size<2>(L{}))::value;
+    constexpr int kLd = host_acc_column_stride(kRows);
+    using Layout = decltype(cute::make_layout(cute::layout<0>(L{}), cute::make_layout(cute::Int<kRows>{}, cute::_1{}),
+                                              cute::make_layout(cute::Int<kCols>{}, cute::Int<kLd>{})));
     return cute::Tensor<UninitializedArrayEngine<typename Acc::value_type, cute::cosize_v<Layout>>, Layout>{};
   } else {
     return cute::partition_fragment_C(tiled_mma, shape);

@@ -296,7 +296,8 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
       }
     }
   }
-  // Column-major fp32 accumulators: the layout of partition_fragment_C for the 1x1x1 atom.
+  // Column-major fp32 accumulators: partition_fragment_C's layout for the 1x1x1 atom, columns padded
+  // (make_acc_fragment, gemm.h).
   static_assert(host_mode_stride(cute::layout<1>(typename Acc::layout_type{})) == 1);
   int const live = ctx.live_rows;
   // A's packed form, where one is kept.  P, left packed by the softmax step (HostSoftmaxArgs::p_pairs; valid

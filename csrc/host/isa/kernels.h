@@ -191,7 +191,7 @@ FLASH_EXT_INLINE vf vexp2(vf x) {
 // GEMM (HostGemmArgs).  Scratch is on the stack and bounded: the operands are processed in chunks of
 // columns and depth that fit it (the forward's tiles always fit whole).
 constexpr int kRowsPerBlock = kMaxRowVectors * kLanes;
-constexpr int64_t kBScratch = 16384;                    // fp32 elements of widened B (64 KiB)
+constexpr int64_t kBScratch = 144 * 128;               // fp32 elements of widened B (72 KiB: V of 128 keys, d 128, padded)
 constexpr int64_t kAScratch = int64_t(kRowsPerBlock) * 256;  // fp32 elements of one packed A block
 // The fp32 GEMM of register blocks (defined last), also the fallback of the tile and few-row paths.
 void gemm_blocks(HostGemmArgs const& g);
@@ -278,14 +278,53 @@ void pack_a_block(HostGemmArgs const& g, int m0, int k0, int depth, float* out) 
   }
 }
 
-// B(n0 + j, k0 + k) for j < ncols, k < depth as fp32, keeping B's strides: out[j * b_ns + k * b_ks], over
-// the contiguous span those offsets cover (the caller checked it fits).
-void widen_b(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, float* out) {
-  int64_t const span = int64_t(ncols - 1) * g.b_ns + int64_t(depth - 1) * g.b_ks + 1;
+// The stride of B's major mode once widened (bf16/fp16) into the scratch: the minor mode's length rounded up
+// to 16 floats, plus 16 more where that is an even number of 64-byte lines.  A power-of-two stride puts the
+// rows of V that one register block of P.V walks (a k step each, 512 bytes apart at d = 128) into 8 of L1's
+// 64 sets, fewer lines than the block reads: they evicted each other on every block.  An odd number of lines
+// spreads them over all the sets (the same reason as the host accumulators' padding, gemm.h).
+constexpr int64_t widened_stride(int minor) {
+  int64_t const ld = (int64_t(minor) + 15) / 16 * 16;
+  return ld / 16 % 2 == 0 ? ld + 16 : ld;
+}
+static_assert(widened_stride(128) == 144 && widened_stride(64) == 80 && widened_stride(6) == 16 &&
+              widened_stride(48) == 48);
+
+// B's chunk as the register blocks read it: B(n0 + j, k0 + k) for j < ncols, k < depth as fp32 at
+// out[j * ns + k * ks].  Where one of B's modes is contiguous the widened chunk is dense along it, its other
+// mode padded (widened_stride); else B's own strides are kept, over the span they cover.
+struct WidenedB {
+  int64_t ns, ks;
+};
+FLASH_EXT_INLINE WidenedB widened_strides(HostGemmArgs const& g, int ncols, int depth) {
+  if (g.b_ns == 1) { return {1, widened_stride(ncols)}; }
+  if (g.b_ks == 1) { return {widened_stride(depth), 1}; }
+  return {g.b_ns, g.b_ks};
+}
+constexpr int64_t widened_span(WidenedB w, int ncols, int depth) {
+  return int64_t(ncols - 1) * w.ns + int64_t(depth - 1) * w.ks + 1;
+}
+
+void widen_b(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, WidenedB w, float* out) {
   void const* src = offset(g.b, int64_t(n0) * g.b_ns + int64_t(k0) * g.b_ks, g.b_type);
-  int64_t i = 0;
-  for (; i + kLanes <= span; i += kLanes) { vstore(out + i, load_as_f32(offset(src, i, g.b_type), g.b_type)); }
-  for (; i < span; ++i) { out[i] = scalar_as_f32(src, i, g.b_type); }
+  if (w.ns == g.b_ns && w.ks == g.b_ks) {  // B's own strides: one pass over the span
+    int64_t const span = widened_span(w, ncols, depth);
+    int64_t i = 0;
+    for (; i + kLanes <= span; i += kLanes) { vstore(out + i, load_as_f32(offset(src, i, g.b_type), g.b_type)); }
+    for (; i < span; ++i) { out[i] = scalar_as_f32(src, i, g.b_type); }
+    return;
+  }
+  // One contiguous run per major index: n's of a k (b_ns == 1) or k's of an n (b_ks == 1).
+  bool const cols_run = g.b_ns == 1;
+  int const runs = cols_run ? depth : ncols, len = cols_run ? ncols : depth;
+  int64_t const src_ld = cols_run ? g.b_ks : g.b_ns, dst_ld = cols_run ? w.ks : w.ns;
+  for (int r = 0; r < runs; ++r) {
+    void const* in = offset(src, r * src_ld, g.b_type);
+    float* o = out + r * dst_ld;
+    int i = 0;
+    for (; i + kLanes <= len; i += kLanes) { vstore(o + i, load_as_f32(offset(in, i, g.b_type), g.b_type)); }
+    for (; i < len; ++i) { o[i] = scalar_as_f32(in, i, g.b_type); }
+  }
 }
 
 // Whether an fp32 column-major A read in place would crowd the L1: a row block's A is `rows` floats of
@@ -316,8 +355,8 @@ static_assert(a_crowds_l1(128, 32, 128) && !a_crowds_l1(128, 32, 64) && !a_crowd
 // was fetched again from L2 by every column block; where the level packs (kPackColumnMajorA) such an A is
 // copied once per row block when more than one column block reads it.  Measurements: docs/perf.md.
 template <int RV>
-void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, float const* b, float* abuf,
-               bool zero_start) {
+void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int depth, float const* b, int64_t b_ns,
+               int64_t b_ks, float* abuf, bool zero_start) {
   constexpr int NR = kAccRegs / RV;
   float const* a;
   int64_t lda;
@@ -332,12 +371,12 @@ void gemm_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
     lda = RV * kLanes;
   }
   float* c = g.c + m0 + int64_t(n0) * g.ldc;
-  if (g.b_ns == 1) {
-    gemm_cols<RV, NR, BWalk::kColsContiguous>(c, g.ldc, a, lda, b, 1, g.b_ks, depth, ncols, zero_start);
-  } else if (g.b_ks == 1) {
-    gemm_cols<RV, NR, BWalk::kDepthContiguous>(c, g.ldc, a, lda, b, g.b_ns, 1, depth, ncols, zero_start);
+  if (b_ns == 1) {
+    gemm_cols<RV, NR, BWalk::kColsContiguous>(c, g.ldc, a, lda, b, 1, b_ks, depth, ncols, zero_start);
+  } else if (b_ks == 1) {
+    gemm_cols<RV, NR, BWalk::kDepthContiguous>(c, g.ldc, a, lda, b, b_ns, 1, depth, ncols, zero_start);
   } else {
-    gemm_cols<RV, NR, BWalk::kStrided>(c, g.ldc, a, lda, b, g.b_ns, g.b_ks, depth, ncols, zero_start);
+    gemm_cols<RV, NR, BWalk::kStrided>(c, g.ldc, a, lda, b, b_ns, b_ks, depth, ncols, zero_start);
   }
 }
 
@@ -1542,12 +1581,11 @@ void gemm_blocks(HostGemmArgs const& g) {
   alignas(64) float abuf[kAScratch];
   alignas(64) float bbuf[kBScratch];
   int const rows = (g.rows + kLanes - 1) / kLanes * kLanes;
-  // Chunks of depth and columns whose widened B span fits the scratch (fp32 B is used in place).
+  // Chunks of depth and columns whose widened B fits the scratch (fp32 B is used in place).
   int kc = g.depth < 256 ? g.depth : 256;
   int nc = g.cols;
-  auto span = [&](int n, int k) { return int64_t(n - 1) * g.b_ns + int64_t(k - 1) * g.b_ks + 1; };
   if (g.b_type != HostDType::kF32) {
-    while (span(nc, kc) > kBScratch) {
+    while (widened_span(widened_strides(g, nc, kc), nc, kc) > kBScratch) {
       if (nc > 1 && (g.b_ns >= g.b_ks || kc == 1)) {
         nc = (nc + 1) / 2;
       } else {
@@ -1560,10 +1598,12 @@ void gemm_blocks(HostGemmArgs const& g) {
     for (int n0 = 0; n0 < g.cols; n0 += nc) {
       int const ncols = g.cols - n0 < nc ? g.cols - n0 : nc;
       float const* b;
+      WidenedB w{g.b_ns, g.b_ks};
       if (g.b_type == HostDType::kF32) {
         b = static_cast<float const*>(g.b) + int64_t(n0) * g.b_ns + int64_t(k0) * g.b_ks;
       } else {
-        widen_b(g, n0, k0, ncols, depth, bbuf);
+        w = widened_strides(g, ncols, depth);
+        widen_b(g, n0, k0, ncols, depth, w, bbuf);
         b = bbuf;
       }
       // Overwriting: the first depth chunk's accumulators start from zero, so C is never cleared in memory
@@ -1571,9 +1611,9 @@ void gemm_blocks(HostGemmArgs const& g) {
       bool const zero_start = g.overwrite && k0 == 0;
       int m0 = 0;
       for (; m0 + kRowsPerBlock <= rows; m0 += kRowsPerBlock) {
-        gemm_rows<kMaxRowVectors>(g, m0, n0, k0, ncols, depth, b, abuf, zero_start);
+        gemm_rows<kMaxRowVectors>(g, m0, n0, k0, ncols, depth, b, w.ns, w.ks, abuf, zero_start);
       }
-      for (; m0 < rows; m0 += kLanes) { gemm_rows<1>(g, m0, n0, k0, ncols, depth, b, abuf, zero_start); }
+      for (; m0 < rows; m0 += kLanes) { gemm_rows<1>(g, m0, n0, k0, ncols, depth, b, w.ns, w.ks, abuf, zero_start); }
     }
   }
 }
