@@ -218,10 +218,10 @@ int main(int argc, char** argv) {
     // The online-softmax step of one 128 x 128 tile (O 128 x 128) in the steady state (no row's maximum
     // changes, so O is not rescaled): the other per-element work of a call, next to the GEMMs above.
     {
-      int const M = 128, N = 128;
-      std::vector<float> scores(size_t(M) * N), work(size_t(M) * N), o(size_t(M) * 128, 1.f), mx(M), sum(M);
+      int const M = 128, N = 128, ld = flash_ext::host_acc_column_stride(M);  // S and O as the body holds them
+      std::vector<float> scores(size_t(ld) * N), work(size_t(ld) * N), o(size_t(ld) * 128, 1.f), mx(M), sum(M);
       for (float& x : scores) { x = 3.f * (float(std::rand()) / float(RAND_MAX) - 0.5f); }
-      flash_ext::HostSoftmaxArgs const a{work.data(), M, N, o.data(), M, 128, mx.data(), sum.data(), M, 1.4427f, false};
+      flash_ext::HostSoftmaxArgs const a{work.data(), ld, N, o.data(), ld, 128, mx.data(), sum.data(), M, 1.4427f, false};
       double const secs = best_seconds([&] {
         std::memcpy(work.data(), scores.data(), sizeof(float) * scores.size());
         for (int m = 0; m < M; ++m) { mx[m] = 2.f, sum[m] = 1.f; }

@@ -151,7 +151,7 @@ FLASH_EXT_INLINE void const* offset(void const* p, int64_t i, HostDType t) {
 // exp2, kLanes at a time, for x <= 127 (the softmax only exponentiates differences to a running maximum,
 // x <= 0 up to rounding): the scalar host_exp2 of traits_host.h — range reduction x = n + f, n = x rounded to
 // nearest even, f in [-0.5, 0.5], and the same degree-6 polynomial for 2^f (relative error ~2e-7).  Below
-// -126 (and -inf) gives exactly 0; NaN stays NaN (whatever its payload).
+// -126 (and -inf) gives exactly 0; a NaN x gives a NaN.
 FLASH_EXT_INLINE vf exp2_poly(vf f) {
   vf p = vsplat(1.5353362e-4f);
   p = vfma(p, f, vsplat(1.3398874e-3f));
@@ -174,16 +174,17 @@ FLASH_EXT_INLINE vf vexp2(vf x) {
 }
 #else
 // The rounding is done by adding 1.5 * 2^23, whose sum also holds n in its low mantissa bits, ready to
-// shift into the exponent.
+// shift into the exponent.  The lanes out of range are fixed with masks rather than selects: AVX2's
+// vblendvps is 2-3 micro-ops a lane group on current cores, and this runs once per score.
 FLASH_EXT_INLINE vf vexp2(vf x) {
-  vi const underflow = x < -126.f;
-  vf const xc = underflow ? vsplat(-126.f) : x;
+  vi const in_range = x >= -126.f;  // false below the range, at -inf and for NaN
+  vi const nan = x != x;
+  vf const xc = vmax(x, vsplat(-126.f));  // a NaN x gives -126 here: the result's NaN comes from `nan`
   vf const t = xc + 12582912.f;     // 1.5 * 2^23 + round(xc): the sum's mantissa ends in n
   vf const f = xc - (t - 12582912.f);
   vf const p = exp2_poly(f);
   vi const bits = (vi)p + ((vi)t << 23);  // (0x4b400000 + n) << 23 == n << 23 (mod 2^32)
-  // A NaN x is returned as it is: its payload bits in t would otherwise be shifted into p's exponent.
-  return underflow ? vf{} : (x == x ? (vf)bits : x);
+  return (vf)((bits & in_range) | nan);   // 0 below the range; all ones (a NaN) for a NaN x
 }
 #endif
 
@@ -1680,7 +1681,7 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
     float* sn = s;
     for (int n = 0; n < cols; ++n, sn += lds) {
       vf const x = vload(sn);
-      vf y = x * scale - ref_scaled;
+      vf y = vfma(x, scale, -ref_scaled);  // one rounding, as the GPU's contracted FFMA
       if (any_greater(y, limit)) [[unlikely]] {
         vf rest_max = x;
         for (int j = n + 1; j < cols; ++j) { rest_max = vmax(rest_max, vload(s + j * lds)); }
@@ -1705,7 +1706,7 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
         ref = new_ref;
         ref_scaled = new_ref_scaled;
         limit = limit_of(ref);
-        y = x * scale - ref_scaled;
+        y = vfma(x, scale, -ref_scaled);
       }
       vf const p = vexp2(y);
       vstore(sn, p);
