@@ -221,7 +221,8 @@ int main(int argc, char** argv) {
       int const M = 128, N = 128, ld = flash_ext::host_acc_column_stride(M);  // S and O as the body holds them
       std::vector<float> scores(size_t(ld) * N), work(size_t(ld) * N), o(size_t(ld) * 128, 1.f), mx(M), sum(M);
       for (float& x : scores) { x = 3.f * (float(std::rand()) / float(RAND_MAX) - 0.5f); }
-      flash_ext::HostSoftmaxArgs const a{work.data(), ld, N, o.data(), ld, 128, mx.data(), sum.data(), M, 1.4427f, false};
+      flash_ext::HostSoftmaxArgs const a{work.data(), ld, N, o.data(), ld, 128, mx.data(), sum.data(), M, 1.4427f,
+                                         false};
       double const secs = best_seconds([&] {
         std::memcpy(work.data(), scores.data(), sizeof(float) * scores.size());
         for (int m = 0; m < M; ++m) { mx[m] = 2.f, sum[m] = 1.f; }

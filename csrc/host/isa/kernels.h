@@ -192,7 +192,7 @@ FLASH_EXT_INLINE vf vexp2(vf x) {
 // GEMM (HostGemmArgs).  Scratch is on the stack and bounded: the operands are processed in chunks of
 // columns and depth that fit it (the forward's tiles always fit whole).
 constexpr int kRowsPerBlock = kMaxRowVectors * kLanes;
-constexpr int64_t kBScratch = 144 * 128;               // fp32 elements of widened B (72 KiB: V of 128 keys, d 128, padded)
+constexpr int64_t kBScratch = 144 * 128;  // fp32 elements of widened B (72 KiB: V of 128 keys at d = 128, padded)
 constexpr int64_t kAScratch = int64_t(kRowsPerBlock) * 256;  // fp32 elements of one packed A block
 // The fp32 GEMM of register blocks (defined last), also the fallback of the tile and few-row paths.
 void gemm_blocks(HostGemmArgs const& g);
