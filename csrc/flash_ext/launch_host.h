@@ -148,14 +148,10 @@ void for_each_warm_line(HostWarmRange const* ranges, int count, int64_t total, T
     if (step == INT64_MAX) { return; }
     char const* p[kWarmStreams];
     for (int s = 0; s < kWarmStreams; ++s) { p[s] = cur[s].left > 0 ? ranges[cur[s].range].first + cur[s].offset : nullptr; }
-    if (p[0] != nullptr && p[kWarmStreams - 1] != nullptr) {  // every cursor live (shares start in order)
-      for (int64_t i = 0; i < step; i += 64) {
+    for (int64_t i = 0; i < step; i += 64) {
 #pragma GCC unroll 4
-        for (int s = 0; s < kWarmStreams; ++s) { touch(p[s] + i); }
-      }
-    } else {
       for (int s = 0; s < kWarmStreams; ++s) {
-        for (int64_t i = 0; p[s] != nullptr && i < step; i += 64) { touch(p[s] + i); }
+        if (p[s] != nullptr) { touch(p[s] + i); }  // a finished cursor (the tail of the last share) is skipped
       }
     }
     for (Cursor& c : cur) {

@@ -306,26 +306,24 @@ constexpr int64_t widened_span(WidenedB w, int ncols, int depth) {
   return int64_t(ncols - 1) * w.ns + int64_t(depth - 1) * w.ks + 1;
 }
 
+// len elements of type t from src, widened, at out.
+FLASH_EXT_INLINE void widen_run(void const* src, HostDType t, int64_t len, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) { vstore(out + i, load_as_f32(offset(src, i, t), t)); }
+  for (; i < len; ++i) { out[i] = scalar_as_f32(src, i, t); }
+}
+
 void widen_b(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, WidenedB w, float* out) {
   void const* src = offset(g.b, int64_t(n0) * g.b_ns + int64_t(k0) * g.b_ks, g.b_type);
   if (w.ns == g.b_ns && w.ks == g.b_ks) {  // B's own strides: one pass over the span
-    int64_t const span = widened_span(w, ncols, depth);
-    int64_t i = 0;
-    for (; i + kLanes <= span; i += kLanes) { vstore(out + i, load_as_f32(offset(src, i, g.b_type), g.b_type)); }
-    for (; i < span; ++i) { out[i] = scalar_as_f32(src, i, g.b_type); }
+    widen_run(src, g.b_type, widened_span(w, ncols, depth), out);
     return;
   }
   // One contiguous run per major index: n's of a k (b_ns == 1) or k's of an n (b_ks == 1).
   bool const cols_run = g.b_ns == 1;
   int const runs = cols_run ? depth : ncols, len = cols_run ? ncols : depth;
   int64_t const src_ld = cols_run ? g.b_ks : g.b_ns, dst_ld = cols_run ? w.ks : w.ns;
-  for (int r = 0; r < runs; ++r) {
-    void const* in = offset(src, r * src_ld, g.b_type);
-    float* o = out + r * dst_ld;
-    int i = 0;
-    for (; i + kLanes <= len; i += kLanes) { vstore(o + i, load_as_f32(offset(in, i, g.b_type), g.b_type)); }
-    for (; i < len; ++i) { o[i] = scalar_as_f32(in, i, g.b_type); }
-  }
+  for (int r = 0; r < runs; ++r) { widen_run(offset(src, r * src_ld, g.b_type), g.b_type, len, out + r * dst_ld); }
 }
 
 // Whether an fp32 column-major A read in place would crowd the L1: a row block's A is `rows` floats of
