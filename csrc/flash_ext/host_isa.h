@@ -214,13 +214,39 @@ int64_t host_l2_bytes();
 
 // --- The running call's context, per thread ---
 
-// A shared-memory K/V tile that was not filled: the tile GEMM reads the global tile it would have held,
-// whose rows lie gmem_row_stride elements apart instead of smem_row_stride (the dense tile's kHeadDim).
+// A shared-memory K/V tile that was not filled: the tile GEMM reads the tile it would have held elsewhere,
+// whose rows lie gmem_row_stride elements apart instead of smem_row_stride (the dense tile's kHeadDim): the
+// global tile itself (global), or its copy in a HostKvMirror (whose storage holds other tiles later in the
+// call, so it is no key for a HostTileCache).
 struct HostTileInPlace {
   void const* smem = nullptr;
   void const* gmem = nullptr;
   int64_t gmem_row_stride = 0;
   int64_t smem_row_stride = 0;
+  bool global = true;
+};
+
+// One worker thread's dense copies of whole K/V tiles, in prefill on a level that stages them (HostKernels::
+// *_kv_in_place false): the first row block that reads a tile copies it here instead of into its shared tile,
+// and the head's later row blocks read the copy (HostTraits::read_in_place).  Why: in a (b, s, h, d) layout a
+// head's rows are h * d elements apart, so its lines fall into 1/h of the L2's sets (the low set-index bits
+// come from the offset in the page); at h = 8 a head's K and V (1 MiB at bf16, d = 128, 2048 keys) overflowed
+// the eighth of a 2 MiB L2 they could use, and every row block's staged copy read them from L3 again.  Dense,
+// they use every set.  An entry is found by the global tile's address and row stride, which with the tile's
+// shape (the traits') determine its contents: K/V are not written during a call (kvcache_fwd appends before),
+// so an entry is valid for the whole call, whichever head asks.  Slots fill in order and are never evicted; the
+// launcher empties the mirror when the K/V head changes, to make room; a tile that does not fit is staged.
+struct HostKvMirror {
+  struct Entry {
+    void const* key;
+    int64_t key_row_stride;
+    void const* copy;
+  };
+  char* data = nullptr;
+  int64_t bytes = 0, used = 0;
+  Entry* entries = nullptr;
+  int capacity = 0, count = 0;
+  int hint = 0;  // where the next lookup starts
 };
 
 // What the host hooks of one CTA need that the kernel body does not pass them: the micro-kernels of the
@@ -228,8 +254,8 @@ struct HostTileInPlace {
 // are zero-filled inputs whose outputs are never stored, so the micro-kernels may skip them (a decode
 // step fills 1-16 rows of a 16-row tile).  kv_in_place: this CTA's whole K/V tiles are read where they lie
 // instead of staged (a decode CTA whose rows were warmed into L2; traits_host.h says why), and in_place
-// says which shared tiles currently stand for a global one.  Set by the launcher (launch_host.h) around
-// each CTA.
+// says which shared tiles currently stand for a global one (or for its copy in kv_mirror).  Set by the
+// launcher (launch_host.h) around each CTA.
 // q_cache (the forward launcher's; null elsewhere): HostGemmArgs::a_cache of the forward's Q.K^T.
 struct HostCtaContext {
   HostKernels const* kernels = nullptr;
@@ -239,6 +265,7 @@ struct HostCtaContext {
   HostPackCache* q_cache = nullptr;
   HostTileCache* kv_cache = nullptr;  // the forward launcher's, in prefill: HostGemmArgs::b_cache of in-place tiles
   HostPackCache* p_cache = nullptr;   // the forward launcher's, in prefill without dropout: HostSoftmaxArgs::p_pairs
+  HostKvMirror* kv_mirror = nullptr;  // the forward launcher's, in prefill on a staging level (HostKvMirror)
 };
 HostCtaContext& host_cta_context();
 

@@ -264,6 +264,29 @@ class HostKvTileCache {
   std::unique_ptr<HostTileCache::Entry[]> entries_;
 };
 
+// A worker thread's HostKvMirror for one call: room for the K and V tiles of one K/V head (seqlen_k keys), up
+// to four L2s' worth (what does not fit is staged, as without it).  Past one L2 the copies are read from L3, still
+// faster dense than staged from rows a head's stride apart: with room for a whole head at 4 MiB (bf16 d = 128
+// at 8192 keys, fp32 at 4096) a call measured 4-9% less time than with room for half of it (docs/perf.md).
+class HostKvMirrorStorage {
+ public:
+  HostKvMirror mirror;
+  void reserve(int seqlen_k, int block_n, int head_dim, int elem_bytes) {
+    int const tiles = ceil_div(seqlen_k, block_n);
+    int64_t const tile_bytes = int64_t(block_n) * head_dim * elem_bytes;
+    int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes * 2, host_l2_bytes() * 4);
+    storage_.reset(new char[size_t(bytes) + 64]);
+    entries_.reset(new HostKvMirror::Entry[size_t(2 * tiles)]);
+    uintptr_t const base = (reinterpret_cast<uintptr_t>(storage_.get()) + 63) / 64 * 64;
+    mirror = {reinterpret_cast<char*>(base), bytes, 0, entries_.get(), 2 * tiles, 0, 0};
+  }
+  void clear() { mirror.used = 0, mirror.count = 0, mirror.hint = 0; }
+
+ private:
+  std::unique_ptr<char[]> storage_;
+  std::unique_ptr<HostKvMirror::Entry[]> entries_;
+};
+
 // Installs a call's micro-kernels as this worker thread's context (host_isa.h) for the scope of one
 // parallel-for chunk, and restores what was there (a nested or earlier call's).
 class HostCtaScope {
@@ -273,6 +296,7 @@ class HostCtaScope {
     ctx_.q_cache = nullptr;
     ctx_.kv_cache = nullptr;
     ctx_.p_cache = nullptr;
+    ctx_.kv_mirror = nullptr;
   }
   ~HostCtaScope() { ctx_ = saved_; }
   HostCtaScope(HostCtaScope const&) = delete;
@@ -285,6 +309,8 @@ class HostCtaScope {
   // The forward's, in prefill without dropout (which changes P after the softmax step): where the softmax step
   // may leave P packed for P.V (HostSoftmaxArgs::p_pairs).
   void set_p_cache(HostPackCache* cache) { ctx_.p_cache = cache; }
+  // The forward's, in prefill on a level that stages K/V: where whole K/V tiles are copied once (HostKvMirror).
+  void set_kv_mirror(HostKvMirror* mirror) { ctx_.kv_mirror = mirror; }
   // A forward CTA starts: its live rows, whether it reads its whole K/V tiles in place
   // (HostTraits::read_in_place; no tile does until its copy says so), and a new Q, so nothing packed from
   // the last CTA's is valid.
@@ -336,6 +362,12 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
       // with P split there: docs/perf.md).
       if (kBf16 && !flags.dropout) { scope.set_p_cache(&p_cache); }
     }
+    // The K/V tiles of the head that this thread's run of row blocks reads, copied once (HostKvMirror).
+    HostKvMirrorStorage kv_mirror;
+    if (!prefill_in_place && !decode) {
+      kv_mirror.reserve(params.seqlen_k, Traits::kBlockN, Traits::kHeadDim, int(sizeof(typename Traits::Element)));
+      scope.set_kv_mirror(&kv_mirror.mirror);
+    }
     std::vector<HostWarmRange> warm_ranges;  // decode: warm_decode_split's
     int64_t kv_head = -1;  // the (batch, K/V head) whose tiles kv_cache holds
     bool warmed = false;  // this (batch, split)'s K/V rows are in L2: its CTAs read whole tiles in place
@@ -360,6 +392,7 @@ void run_fwd_host_traits(FwdParams const& params, HostKernels const& kernels, Pa
       }
       if (int64_t const kv = int64_t(bidb) * params.h_k + bidh / params.h_h_k_ratio; kv != kv_head) {
         kv_cache.clear();  // its tiles are another head's now
+        kv_mirror.clear();
         kv_head = kv;
       }
       // Query rows of this tile that exist (the last tile of a sequence, a decode step's 1-16 rows).

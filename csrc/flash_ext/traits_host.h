@@ -268,6 +268,41 @@ constexpr int64_t host_mode_stride(Layout const& mode) {
   return int64_t(cute::stride(flat));
 }
 
+// The copy of a whole K/V tile (`rows` rows of row_elems elements, row_stride apart) in `mirror`: found, or
+// made now where there is room; nullptr where there is none.  Lookups start after the last hit: row blocks walk
+// a head's tiles in the order the first one copied them.  Made like the staged copy (cute::copy above): each
+// row's counterpart in the tile walked next (the one below) and the rows a few ahead prefetched.
+template <class T>
+void const* host_mirror_tile(HostKvMirror& mirror, T const* tile, int64_t row_stride, int rows, int row_elems) {
+  for (int j = 0; j < mirror.count; ++j) {
+    int const i = (mirror.hint + j) % mirror.count;
+    if (mirror.entries[i].key == tile && mirror.entries[i].key_row_stride == row_stride) {
+      mirror.hint = i + 1;
+      return mirror.entries[i].copy;
+    }
+  }
+  int64_t const row_bytes = int64_t(row_elems) * int64_t(sizeof(T));
+  if (mirror.count == mirror.capacity || mirror.used + rows * row_bytes > mirror.bytes) { return nullptr; }
+  char* const copy = mirror.data + mirror.used;
+  // Row m's address as an integer: the next tile's rows may lie outside K/V (a prefetch never faults).
+  auto prefetch_row = [&](int m) {
+    uintptr_t const row =
+        reinterpret_cast<uintptr_t>(tile) + uintptr_t(int64_t(m) * row_stride * int64_t(sizeof(T)));
+    for (int64_t b = 0; b < row_bytes; b += 64) { __builtin_prefetch(reinterpret_cast<void const*>(row + b)); }
+  };
+  constexpr int kRowsAhead = 8;
+  for (int m = 0; m < kRowsAhead && m < rows; ++m) { prefetch_row(m); }
+  for (int m = 0; m < rows; ++m) {
+    prefetch_row(m - rows);
+    if (m + kRowsAhead < rows) { prefetch_row(m + kRowsAhead); }
+    std::memcpy(copy + m * row_bytes, tile + m * row_stride, size_t(row_bytes));
+  }
+  mirror.entries[mirror.count++] = {tile, row_stride, copy};
+  mirror.used += rows * row_bytes;
+  mirror.hint = mirror.count;
+  return copy;
+}
+
 template <class Tensor>
 HostOperand host_operand(Tensor const& t) {
   using namespace cute;
@@ -287,12 +322,13 @@ void host_tile_gemm(Acc& acc, A const& tA, B const& tB, bool zero_acc = false) {
   static_assert(std::is_same_v<typename Acc::value_type, float>);
   HostCtaContext const& ctx = host_cta_context();
   bool b_global = false;
-  if (ctx.kv_in_place) {  // B a K/V tile left in place (HostTraits::read_in_place): its global rows instead
+  if (ctx.kv_in_place || ctx.kv_mirror != nullptr) {
+    // B a K/V tile not staged (HostTraits::read_in_place): its global rows or their mirrored copy instead
     for (HostTileInPlace const& t : ctx.in_place) {
       if (t.smem != nullptr && t.smem == b.ptr) {
         b.ptr = t.gmem;
         (b.row_stride == t.smem_row_stride ? b.row_stride : b.col_stride) = t.gmem_row_stride;
-        b_global = true;
+        b_global = t.global;
       }
     }
   }
@@ -359,11 +395,14 @@ struct HostTraits : PlainGlobalMemory {
   // the GEMMs then read back from L2 as well (decode steps measured 9-17% more K/V bandwidth without it; bf16,
   // fp16, fp32; AVX-512 and AVX2 levels).  And a prefill CTA on a level whose GEMMs load K by tile rows from any
   // stride and pack V themselves (HostKernels::bf16_kv_in_place, AMX: 4-11% less time; f16_ and f32_kv_in_place,
-  // AMX, whose split GEMMs pack both).  Other prefill stages: there in-place reads were measured slower (the
-  // GEMMs' broadcast loads took the memory stalls that the staged copy overlaps).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or
-  // head-dim padding (whole = false) is staged, zero-filled, as always, and its shared tile stops standing
-  // for a global one.  Only row-major tiles of kBlockN rows qualify, i.e. sK and sV: the column-major Q tile
-  // (kBlockM rows, possibly as many) is read from shared memory by a register copy, not by the tile GEMM.
+  // AMX, whose split GEMMs pack both).  On the other levels in-place prefill reads were measured slower (the
+  // GEMMs' broadcast loads took the memory stalls that the staged copy overlaps); there a prefill CTA with a
+  // kv_mirror copies each whole tile once per call, into the thread's HostKvMirror, and the tile GEMM reads
+  // that copy for the first row block and every later one (AVX2 and AVX-512 levels, bf16/fp16/fp32: 2-13% less
+  // time).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or head-dim padding (whole = false), or
+  // one the mirror has no room for, is staged, zero-filled, as always, and its shared tile stops standing for
+  // another.  Only row-major tiles of kBlockN rows qualify, i.e. sK and sV: the column-major Q tile (kBlockM
+  // rows, possibly as many) is read from shared memory by a register copy, not by the tile GEMM.
   template <class S, class D>
   static bool read_in_place(S const& src, D const& dst, bool whole) {
     using namespace cute;
@@ -371,7 +410,7 @@ struct HostTraits : PlainGlobalMemory {
                   is_gmem<typename S::engine_type>::value) {
       if constexpr (int64_t(decltype(stride<1>(dst)){}) == kHeadDim_) {  // (CPY, CPY_N, CPY_K): rows along mode 1
         HostCtaContext& ctx = host_cta_context();
-        if (!ctx.kv_in_place) { return false; }
+        if (!ctx.kv_in_place && ctx.kv_mirror == nullptr) { return false; }
         void const* const smem = raw_pointer_cast(&dst(0, 0, 0));
         HostTileInPlace* slot = nullptr;
         for (HostTileInPlace& t : ctx.in_place) {
@@ -382,7 +421,18 @@ struct HostTraits : PlainGlobalMemory {
           slot->smem = nullptr;
           return false;
         }
-        *slot = {smem, raw_pointer_cast(&src(0, 0, 0)), int64_t(stride<1>(src)), kHeadDim_};
+        auto const* const tile = raw_pointer_cast(&src(0, 0, 0));
+        int64_t const row_stride = stride<1>(src);
+        if (ctx.kv_in_place) {
+          *slot = {smem, tile, row_stride, kHeadDim_, true};
+          return true;
+        }
+        void const* const copy = host_mirror_tile(*ctx.kv_mirror, tile, row_stride, kBlockN_, kHeadDim_);
+        if (copy == nullptr) {  // no room: staged
+          slot->smem = nullptr;
+          return false;
+        }
+        *slot = {smem, copy, kHeadDim_, kHeadDim_, false};
         return true;
       } else {
         return false;
