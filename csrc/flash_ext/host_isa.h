@@ -190,8 +190,24 @@ bool host_isa_compiled(HostIsa isa);
 bool host_isa_supported(HostIsa isa);
 // Empty when `isa` can run here, else why not ("the CPU lacks avx512_bf16", "not compiled into this build").
 char const* host_isa_unavailable_reason(HostIsa isa);
-// The best level compiled and supported.
+// The best level compiled and supported: the highest that runs (host_isa_automatic_choice).
 HostIsa host_isa_best();
+
+// The automatic choice among the runnable levels, `highest` the highest of them: that one, except avx512 in place
+// of avx512_bf16 on a core of the AMX generation (CPUID reports AMX-BF16) whose tile state is not granted or not
+// compiled.  On such a Xeon a zmm vdpbf16ps ran at a quarter of vfmadd231ps's instruction rate (1.87 against
+// 7.4 G/s, 12 independent accumulators), half its products, so the bf16 tile GEMMs ran at 104-109 GF/s on
+// avx512_bf16 against 184-195 widened to fp32 on avx512, and a bf16 prefill call took 1.5-1.75x the time
+// (docs/perf.md, "vdpbf16ps on an AMX-class Xeon").  Other avx512_bf16 cores keep it: AMD Zen 4/5 (bf16 prefill
+// 1.8-3.1x SDPA there on it; not timed against avx512) and Cooper Lake (not measured); fp16 and fp32 run the
+// same code on both levels.
+constexpr HostIsa host_isa_automatic_choice(HostIsa highest, bool amx_class_core) {
+  return highest == HostIsa::kAvx512Bf16 && amx_class_core ? HostIsa::kAvx512 : highest;
+}
+static_assert(host_isa_automatic_choice(HostIsa::kAvx512Bf16, true) == HostIsa::kAvx512);
+static_assert(host_isa_automatic_choice(HostIsa::kAvx512Bf16, false) == HostIsa::kAvx512Bf16);
+static_assert(host_isa_automatic_choice(HostIsa::kAmxBf16, true) == HostIsa::kAmxBf16);
+static_assert(host_isa_automatic_choice(HostIsa::kAvx2, true) == HostIsa::kAvx2);
 // The table of a level; nullptr when it is not compiled.
 HostKernels const* host_kernels_for(HostIsa isa);
 

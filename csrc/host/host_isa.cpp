@@ -111,7 +111,11 @@ HostIsa best_supported() {
     for (IsaInfo const& i : kIsas) {
       if (host_isa_compiled(i.isa) && host_isa_supported(i.isa)) { b = i.isa; }
     }
+#if defined(__x86_64__)
+    return host_isa_automatic_choice(b, cpu_has_amx_bf16());
+#else
     return b;
+#endif
   }();
   return best;
 }
