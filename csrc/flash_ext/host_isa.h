@@ -120,7 +120,10 @@ struct HostSoftmaxArgs {
   // out) may also leave the probabilities in that form, rounded as that GEMM would round them, for the P.V
   // that follows: packed here from the final fp32 values while they are in L1, rather than read back from the
   // whole S tile by the GEMM.  A level that does sets it valid with key s, rows rounded up to 16 and depth
-  // cols; else it leaves it as it was (invalid: the caller clears `valid` first).  Null: S only.
+  // cols, and leaves the scores in S rather than the probabilities (64 KiB less written per 128 x 128 tile):
+  // the pairs are then P's only copy, so the level packs only what its GEMM takes whole from the cache
+  // (host_tile_gemm hands the valid cache to the P.V whose A is S).  Else it leaves the cache as it was
+  // (invalid: the caller clears `valid` first) and S holds P.  Null: S only.
   HostPackCache* p_pairs = nullptr;
 };
 

@@ -597,6 +597,7 @@ void gemm_bf16_dot(HostGemmArgs const& g) {
 constexpr int kTileK = 32;                       // bf16 of k per tile row (64 bytes)
 constexpr int kTileBScratch = 32768;             // bf16 of B's packed rows (64 KiB: V^T of 128 keys x d 256)
 constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (16 KiB)
+constexpr int kTileDepthChunk = 256;             // k packed and multiplied per chunk (A's scratch holds 256)
 
 // B(n0 + j, k0 + k) for j < ncols (a multiple of 16), k < depth as bf16 at out[j * ldo + k], and 0 for
 // depth <= k < ldo.  B contiguous along n (V of P.V): pairs of rows interleaved a vector at a time, then
@@ -1066,7 +1067,7 @@ void gemm_tiles(HostGemmArgs const& g) {
   alignas(64) uint32_t abuf[kPieces * kTileAScratch];
   alignas(64) uint16_t bbuf[kTileBScratch];
   int const rows = (g.rows + 15) / 16 * 16;
-  int const kc = g.depth < 256 ? g.depth : 256;
+  int const kc = g.depth < kTileDepthChunk ? g.depth : kTileDepthChunk;
   int const kc_padded = (kc + kTileK - 1) / kTileK * kTileK;
   int const nc_packed = kTileBScratch / (kPieces * kc_padded) / 16 * 16;  // >= 32
   // A packed once for all its rows where a cache holds it (HostGemmArgs::a_cache: the forward's Q, packed
@@ -1649,8 +1650,11 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
   vf const slack = vsplat(kHostSoftmaxSlack);
 #if FLASH_EXT_ISA_HAS_TILES
   // P left as pack_a_all lays out A for the tile GEMM: blocks of 32 rows, then one of 16, each [pair][row].
+  // Only where gemm_tiles takes it whole from the cache (its depth in one chunk, the pairs within the cache,
+  // O's columns whole tiles, none left to gemm_bf16_dot): S keeps the scores, so the pairs are P's only copy.
   int const pairs = (cols + kTileK - 1) / kTileK * (kTileK / 2);
-  uint32_t* const p_pairs = a.p_pairs != nullptr && int64_t(rows) * pairs * 4 <= a.p_pairs->bytes
+  bool const whole = cols <= kTileDepthChunk && o_cols % 16 == 0;
+  uint32_t* const p_pairs = a.p_pairs != nullptr && whole && int64_t(rows) * pairs * 4 <= a.p_pairs->bytes
                                 ? static_cast<uint32_t*>(a.p_pairs->data)
                                 : nullptr;
 #endif
@@ -1689,13 +1693,16 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
         // exp2(old - new) <= 2^-slack where a row moves from a finite reference; 0 from -inf (its history is
         // zero: nothing to keep, and never inf * 0); 1 elsewhere (exact: those lanes are unchanged).
         vf const correction = moves ? (ref == neg_inf ? vf{} : vexp2(ref_scaled - new_ref_scaled)) : vsplat(1.f);
-        for (int j = 0; j < n; ++j) { vstore(s + j * lds, vload(s + j * lds) * correction); }
 #if FLASH_EXT_ISA_HAS_TILES
-        if (pack) {  // the pairs written so far again, from the rescaled columns (the same fp32 products)
-          for (int q = 0; q < n / 2; ++q) { put_pair(q, vload(s + 2 * q * lds), vload(s + (2 * q + 1) * lds)); }
-          p_even *= correction;
-        }
+        if (pack) {  // S still holds the scores: the pairs written so far again, exponentiated anew
+          auto const p_at = [&](int j) { return vexp2(vfma(vload(s + j * lds), scale, -new_ref_scaled)); };
+          for (int q = 0; q < n / 2; ++q) { put_pair(q, p_at(2 * q), p_at(2 * q + 1)); }
+          if (n & 1) { p_even = p_at(n - 1); }
+        } else
 #endif
+        {
+          for (int j = 0; j < n; ++j) { vstore(s + j * lds, vload(s + j * lds) * correction); }
+        }
         sum *= correction;
         if (!first) {  // the first tile's O is not there yet: the first P.V writes it (kernel_fwd.h)
           float* const o = a.o + m0;
@@ -1707,16 +1714,19 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
         y = vfma(x, scale, -ref_scaled);
       }
       vf const p = vexp2(y);
-      vstore(sn, p);
       sum += p;
 #if FLASH_EXT_ISA_HAS_TILES
-      if (pack) {
+      if (pack) {  // P.V reads the pairs only (host_tile_gemm); S keeps the scores
         if (n & 1) {
           put_pair(n / 2, p_even, p);
         } else {
           p_even = p;
         }
+      } else {
+        vstore(sn, p);
       }
+#else
+      vstore(sn, p);
 #endif
     }
     vstore(a.row_max + m0, ref);
