@@ -398,7 +398,7 @@ struct HostTraits : PlainGlobalMemory {
   // AMX, whose split GEMMs pack both).  On the other levels in-place prefill reads were measured slower (the
   // GEMMs' broadcast loads took the memory stalls that the staged copy overlaps); there a prefill CTA with a
   // kv_mirror copies each whole tile once per call, into the thread's HostKvMirror, and the tile GEMM reads
-  // that copy for the first row block and every later one (AVX2 and AVX-512 levels, bf16/fp16/fp32: 2-13% less
+  // that copy for the first row block and every later one (AVX2 and AVX-512 levels, bf16/fp16/fp32: 1-14% less
   // time).  Measurements: docs/perf.md.  A tile with rows past seqlen_k or head-dim padding (whole = false), or
   // one the mirror has no room for, is staged, zero-filled, as always, and its shared tile stops standing for
   // another.  Only row-major tiles of kBlockN rows qualify, i.e. sK and sV: the column-major Q tile (kBlockM
