@@ -140,6 +140,16 @@ struct HostVectorCopy {
   using DRegisters = T[N];
 };
 
+// The whole-tile copies from global memory (cute::copy below, host_mirror_tile) prefetch each row's counterpart
+// in the tile walked next and the rows this far ahead in their own tile.
+inline constexpr int kHostCopyRowsAhead = 8;
+
+// Every 64-byte line of `bytes` bytes from `addr`, an integer: a neighbouring tile's rows may lie outside the
+// tensor, which a prefetch may name (it never faults) but pointer arithmetic may not.
+inline void host_prefetch_lines(uintptr_t addr, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) { __builtin_prefetch(reinterpret_cast<void const*>(addr + uintptr_t(b))); }
+}
+
 }  // namespace flash_ext
 
 namespace cute {
@@ -194,9 +204,9 @@ inline void copy(TiledCopy<Copy_Atom<flash_ext::HostVectorCopy<T, N>, T>, TV, Ti
     int const rows = int(size<1>(src));
     // Rows a few ahead in this tile too: the next-tile prefetch does not cover a tile nobody walked to
     // (a CTA's Q, its first K/V tile), whose rows otherwise miss one by one.
-    constexpr int kRowsAhead = 8;
+    constexpr int kRowsAhead = flash_ext::kHostCopyRowsAhead;
     auto prefetch_row = [&](char const* row) {
-      for (int b = 0; b < row_bytes; b += 64) { __builtin_prefetch(row + b); }
+      flash_ext::host_prefetch_lines(reinterpret_cast<uintptr_t>(row), row_bytes);
     };
     for (int m = 0; m < kRowsAhead && m < rows; ++m) {
       prefetch_row(reinterpret_cast<char const*>(raw_pointer_cast(&src(0, m, 0))));
@@ -284,13 +294,11 @@ void const* host_mirror_tile(HostKvMirror& mirror, T const* tile, int64_t row_st
   int64_t const row_bytes = int64_t(row_elems) * int64_t(sizeof(T));
   if (mirror.count == mirror.capacity || mirror.used + rows * row_bytes > mirror.bytes) { return nullptr; }
   char* const copy = mirror.data + mirror.used;
-  // Row m's address as an integer: the next tile's rows may lie outside K/V (a prefetch never faults).
   auto prefetch_row = [&](int m) {
-    uintptr_t const row =
-        reinterpret_cast<uintptr_t>(tile) + uintptr_t(int64_t(m) * row_stride * int64_t(sizeof(T)));
-    for (int64_t b = 0; b < row_bytes; b += 64) { __builtin_prefetch(reinterpret_cast<void const*>(row + b)); }
+    host_prefetch_lines(reinterpret_cast<uintptr_t>(tile) + uintptr_t(int64_t(m) * row_stride * int64_t(sizeof(T))),
+                        row_bytes);
   };
-  constexpr int kRowsAhead = 8;
+  constexpr int kRowsAhead = kHostCopyRowsAhead;
   for (int m = 0; m < kRowsAhead && m < rows; ++m) { prefetch_row(m); }
   for (int m = 0; m < rows; ++m) {
     prefetch_row(m - rows);
