@@ -236,6 +236,18 @@ bool warm_decode_split(FwdParams const& params, DynamicFlags const& flags, int b
   return total > 0;
 }
 
+// Owned bytes with a 64-byte-aligned start, for the per-thread tile stores below.
+class HostAlignedBytes {
+ public:
+  char* reset(int64_t bytes) {
+    storage_.reset(new char[size_t(bytes) + 64]);
+    return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage_.get()) + 63) / 64 * 64);
+  }
+
+ private:
+  std::unique_ptr<char[]> storage_;
+};
+
 // A worker thread's HostTileCache for one call: room for the K and V tiles of one K/V head (seqlen_k keys, 32-deep
 // steps, in `pieces` bf16 pieces: 2 for fp16, 3 for fp32), up to one L2's worth, two for fp32 (what does not fit
 // is packed per GEMM, as without it).  A tile is packed once and read by each of the head's row blocks on this
@@ -252,15 +264,13 @@ class HostKvTileCache {
         (int64_t(block_n) * padded(head_dim) + int64_t(head_dim) * padded(block_n)) * 2 * pieces;
     int64_t const room = host_l2_bytes() * (pieces == 3 ? 2 : 1);
     int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes, room) + 2 * 64;
-    storage_.reset(new char[size_t(bytes) + 64]);
     entries_.reset(new HostTileCache::Entry[size_t(2 * tiles)]);
-    uintptr_t const base = (reinterpret_cast<uintptr_t>(storage_.get()) + 63) / 64 * 64;
-    cache = {reinterpret_cast<void*>(base), bytes, 0, entries_.get(), 2 * tiles, 0};
+    cache = {storage_.reset(bytes), bytes, 0, entries_.get(), 2 * tiles, 0};
   }
   void clear() { cache.used = 0, cache.count = 0; }
 
  private:
-  std::unique_ptr<char[]> storage_;
+  HostAlignedBytes storage_;
   std::unique_ptr<HostTileCache::Entry[]> entries_;
 };
 
@@ -275,15 +285,13 @@ class HostKvMirrorStorage {
     int const tiles = ceil_div(seqlen_k, block_n);
     int64_t const tile_bytes = int64_t(block_n) * head_dim * elem_bytes;
     int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes * 2, host_l2_bytes() * 4);
-    storage_.reset(new char[size_t(bytes) + 64]);
     entries_.reset(new HostKvMirror::Entry[size_t(2 * tiles)]);
-    uintptr_t const base = (reinterpret_cast<uintptr_t>(storage_.get()) + 63) / 64 * 64;
-    mirror = {reinterpret_cast<char*>(base), bytes, 0, entries_.get(), 2 * tiles, 0, 0};
+    mirror = {storage_.reset(bytes), bytes, 0, entries_.get(), 2 * tiles, 0, 0};
   }
   void clear() { mirror.used = 0, mirror.count = 0, mirror.hint = 0; }
 
  private:
-  std::unique_ptr<char[]> storage_;
+  HostAlignedBytes storage_;
   std::unique_ptr<HostKvMirror::Entry[]> entries_;
 };
 
