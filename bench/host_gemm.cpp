@@ -234,6 +234,21 @@ int main(int argc, char** argv) {
       }, iters);
       std::printf("%-12s softmax step 128 x 128: %.3f ns per score (the tile's reload of the scores subtracted)\n",
                   k.name, (secs - copy_secs) / iters / (M * N) * 1e9);
+      // The same with the probabilities left as the P.V's packed pairs, where the level packs them (AMX).
+      alignas(64) static uint32_t pairs[128 * 128 / 2];
+      flash_ext::HostPackCache pc{pairs, sizeof(pairs)};
+      flash_ext::HostSoftmaxArgs packed = a;
+      packed.p_pairs = &pc;
+      double const packed_secs = best_seconds([&] {
+        std::memcpy(work.data(), scores.data(), sizeof(float) * scores.size());
+        for (int m = 0; m < M; ++m) { mx[m] = 2.f, sum[m] = 1.f; }
+        pc.valid = false;
+        k.softmax_rescale(packed);
+      }, iters);
+      if (pc.valid) {
+        std::printf("%-12s softmax step 128 x 128, P as packed pairs: %.3f ns per score (likewise)\n", k.name,
+                    (packed_secs - copy_secs) / iters / (M * N) * 1e9);
+      }
     }
   }
   return 0;

@@ -599,6 +599,18 @@ constexpr int kTileBScratch = 32768;             // bf16 of B's packed rows (64 
 constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (16 KiB)
 constexpr int kTileDepthChunk = 256;             // k packed and multiplied per chunk (A's scratch holds 256)
 
+// Bytes of A's packed pairs for all its rows (a multiple of 16) over depth k, split into kPieces (pack_a_all).
+constexpr int64_t packed_a_bytes(int rows, int depth, int pieces) {
+  return int64_t(rows) * ((depth + kTileK - 1) / kTileK * kTileK / 2) * pieces * int64_t(sizeof(uint32_t));
+}
+// Whether gemm_tiles multiplies A from a HostPackCache of cache_bytes: its depth in one chunk, its pairs within
+// the cache.  The softmax step leaves P only there when this holds for the P.V (and no column of the P.V is
+// left to gemm_bf16_dot, which reads A itself).
+constexpr bool tiles_use_packed_a(int rows, int depth, int pieces, int64_t cache_bytes) {
+  return depth <= kTileDepthChunk && packed_a_bytes(rows, depth, pieces) <= cache_bytes;
+}
+static_assert(packed_a_bytes(128, 128, 1) == 128 * 64 * 4 && packed_a_bytes(16, 40, 3) == 16 * 32 * 3 * 4);
+
 // B(n0 + j, k0 + k) for j < ncols (a multiple of 16), k < depth as bf16 at out[j * ldo + k], and 0 for
 // depth <= k < ldo.  B contiguous along n (V of P.V): pairs of rows interleaved a vector at a time, then
 // 16 x 16 blocks of pairs transposed; otherwise element by element.
@@ -1073,8 +1085,7 @@ void gemm_tiles(HostGemmArgs const& g) {
   // A packed once for all its rows where a cache holds it (HostGemmArgs::a_cache: the forward's Q, packed
   // once per CTA instead of once per K tile; measured, docs/perf.md), else block by block below.
   uint32_t const* cached = nullptr;
-  int64_t const a_bytes = int64_t(rows) * (kPieces * kc_padded / 2) * int64_t(sizeof(uint32_t));
-  if (HostPackCache* const pc = g.a_cache; pc != nullptr && kc == g.depth && a_bytes <= pc->bytes) {
+  if (HostPackCache* const pc = g.a_cache; pc != nullptr && tiles_use_packed_a(rows, g.depth, kPieces, pc->bytes)) {
     if (!(pc->valid && pc->key == g.a && pc->rows == rows && pc->depth == g.depth)) {
       pack_a_all<kPieces>(g, rows, kc, static_cast<uint32_t*>(pc->data));
       *pc = {pc->data, pc->bytes, g.a, rows, g.depth, true};
@@ -1650,13 +1661,13 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
   vf const slack = vsplat(kHostSoftmaxSlack);
 #if FLASH_EXT_ISA_HAS_TILES
   // P left as pack_a_all lays out A for the tile GEMM: blocks of 32 rows, then one of 16, each [pair][row].
-  // Only where gemm_tiles takes it whole from the cache (its depth in one chunk, the pairs within the cache,
-  // O's columns whole tiles, none left to gemm_bf16_dot): S keeps the scores, so the pairs are P's only copy.
+  // Only where gemm_tiles takes it whole from the cache (tiles_use_packed_a, and O's columns whole tiles, none
+  // left to gemm_bf16_dot): S keeps the scores, so the pairs are P's only copy.
   int const pairs = (cols + kTileK - 1) / kTileK * (kTileK / 2);
-  bool const whole = cols <= kTileDepthChunk && o_cols % 16 == 0;
-  uint32_t* const p_pairs = a.p_pairs != nullptr && whole && int64_t(rows) * pairs * 4 <= a.p_pairs->bytes
-                                ? static_cast<uint32_t*>(a.p_pairs->data)
-                                : nullptr;
+  uint32_t* const p_pairs =
+      a.p_pairs != nullptr && tiles_use_packed_a(rows, cols, 1, a.p_pairs->bytes) && o_cols % 16 == 0
+          ? static_cast<uint32_t*>(a.p_pairs->data)
+          : nullptr;
 #endif
   for (int m0 = 0; m0 < rows; m0 += kLanes) {
     float* const s = a.s + m0;
