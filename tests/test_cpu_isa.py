@@ -24,7 +24,7 @@ import flash_ext
 from flash_ext import _C
 
 import test_fwd
-from attn_check import check_close, make_qkv
+from attn_check import check_close, check_large_scores, make_large_score_qkv, make_qkv
 import test_kvcache as kvcache_tests  # not `test_kvcache`: the test functions below have that name
 import test_varlen as varlen_tests
 
@@ -116,6 +116,17 @@ def test_prefill_kv_tiles_reused(cpu_isa: str, case: str, causal: bool, dtype: t
             v = k
     out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     check_close(out, lse, q, k, v, causal=causal, context=f"{cpu_isa} {case}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_huge_scores_exact(cpu_isa: str, dtype: torch.dtype, causal: bool) -> None:
+    """test_fwd.test_huge_scores_exact on each level's softmax step (the prefill tiles and, with one query row
+    per head group, decode's)."""
+    for sq in (3, 1):
+        q, k, v, out_expected, lse_expected = make_large_score_qkv(dtype, causal, sq=sq)
+        out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=causal, num_splits=1, return_attn_probs=True)
+        check_large_scores(out, lse, out_expected, lse_expected, context=f"{cpu_isa} sq {sq}")
 
 
 def test_level_in_use_is_reported(cpu_isa: str) -> None:

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import flash_ext
-from attn_check import RISING_PATTERNS, check_close, make_alibi, make_rising_maxima_qkv
+from attn_check import (RISING_PATTERNS, check_close, check_large_scores, make_alibi, make_large_score_qkv,
+                        make_rising_maxima_qkv)
 
 pytestmark = pytest.mark.skipif(not flash_ext.build_info()["emulator"],
                                 reason="flash_ext was built without the warp emulator (FLASH_EXT_EMULATOR=1)")
@@ -175,6 +176,20 @@ def test_maxima_rising_along_the_walk(tile: str, pattern: str, dtype: torch.dtyp
         assert s["vote_true"] >= 0.8 * s["vote"], (context, s)
     elif pattern == "rising_near":  # 1.15 per tile, 10.4 in all: a move or two per warp
         assert 0 < s["vote_true"] <= 0.3 * s["vote"], (context, s)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+def test_huge_scores_exact(dtype: torch.dtype, causal: bool) -> None:
+    """test_fwd.test_huge_scores_exact on the GPU tiles: exp2((x - ref) * scale), exact for the maximum at any
+    magnitude, where FA2's single FFMA rounds ref * scale by hundreds of log2 units here."""
+    require_head_dim(64)
+    q, k, v, out_expected, lse_expected = make_large_score_qkv(dtype, causal)
+    context = f"huge scores {DT[dtype]} causal={causal}"
+    with flash_ext.emulate("sm80"):
+        out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=causal, num_splits=1, return_attn_probs=True)
+    assert_clean(context)
+    check_large_scores(out, lse, out_expected, lse_expected, context)
 
 
 # ---------------------------------------------------------------------------------------------------------

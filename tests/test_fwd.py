@@ -17,7 +17,8 @@ import flash_ext
 from flash_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flash_ext.reference import attention_ref
 
-from attn_check import DTYPE_NAMES, check_close, make_alibi, make_qkv, make_rising_maxima_qkv
+from attn_check import (DTYPE_NAMES, check_close, check_large_scores, make_alibi, make_large_score_qkv, make_qkv,
+                        make_rising_maxima_qkv)
 from conftest import DEVICES, require_device
 
 SHAPES = [(1, 1), (1, 239), (3, 799), (113, 203), (127, 512), (128, 217), (256, 512), (512, 256), (1023, 1024),
@@ -343,6 +344,23 @@ def test_large_scores(device):
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert lse.abs().max() > 100
     check_close(out, lse, q, k, v, context="large scores")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda t: DTYPE_NAMES[t])
+def test_huge_scores_exact(device, dtype, causal):
+    """Finite inputs whose scores reach ~2^33 log2 units (attn_check.make_large_score_qkv): the softmax is one-hot
+    (or an exact tie) and the kernels must say so.  Exponentiating x * scale - round(max * scale) gave inf, NaN
+    or LSE = +inf here (the rounding of max * scale is itself hundreds of log2 units at that size).  Unsplit:
+    split-KV partials carry log(sum) inside an fp32 LSE of ~2^30, where it rounds away, so keys tied across
+    splits are weighed by split rather than by count (README, "Numerics")."""
+    device = require_device(device)
+    if dtype == torch.float32 and device.type == "cuda":
+        pytest.skip("float32 is a CPU dtype")
+    q, k, v, out_expected, lse_expected = make_large_score_qkv(dtype, causal, device)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, num_splits=1, return_attn_probs=True)
+    check_large_scores(out, lse, out_expected, lse_expected, context=f"{dtype} causal={causal}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,9 +1,12 @@
-// Split-KV combine: merges the num_splits partial results of one query row.  Each split s holds O_s,
-// normalised by its own softmax sum, and LSE_s = log of that sum (in the true score domain, max included).
-// The exact result is LSE = log sum_s exp(LSE_s) and O = sum_s exp(LSE_s - LSE) O_s; the maximum LSE_s is
-// subtracted before exponentiating so nothing overflows.  Splits that saw no key have LSE_s = -inf and
-// weigh exactly 0; a row no split saw gets O = 0 and LSE = +inf.  A NaN partial LSE (a NaN score in that
-// split) makes the row NaN, as the unsplit kernel's would be: fmaxf alone would drop it.
+// Split-KV combine: merges the num_splits partial results of one query row.  Each split s holds O_s, normalised by
+// its own softmax sum, and LSE_s = log of that sum (in the true score domain, max included). The exact result is
+// LSE = log sum_s exp(LSE_s) and O = sum_s exp(LSE_s - LSE) O_s; the maximum LSE_s is subtracted before
+// exponentiating so nothing overflows, and the weights are exp(LSE_s - max) / sum rather than exp(LSE_s - LSE):
+// LSE = max + log(sum) is rounded at LSE's magnitude, so with huge scores (|LSE| ~ 2^30, an ulp of 128) two tied splits
+// each weighed exp(0) = 1 instead of 1/2.  (LSE_s itself rounds its own log(sum) away at that size: README,
+// "Numerics".)  Splits that saw no key have LSE_s = -inf and weigh exactly 0; a row no split saw gets O = 0 and
+// LSE = +inf.  A NaN partial LSE (a NaN score in that split) makes the row NaN, as the unsplit kernel's would be:
+// fmaxf alone would drop it.
 #pragma once
 
 #include <cmath>
@@ -49,7 +52,7 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
   }
   float sum = 0.f;
   for (int s = 0; s < p.num_splits; ++s) { sum += expf(Mem::load_global(lse_s + s * split_stride) - max_lse); }
-  float const lse = max_lse + logf(sum);
+  float const lse = max_lse + logf(sum), inv_sum = 1.f / sum;
   if (col_begin == 0) { Mem::store_global(lse_out, lse); }
   float const* o_s = p.oaccum_ptr + (index_t(bidh) * p.accum_rows + r) * p.d;
   // A GPU/emulator thread's group of kCombineCols columns (always whole: the op requires d % 8 == 0): one
@@ -60,7 +63,7 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
     using In = cutlass::AlignedArray<float, 4>;
     float acc[kCombineCols] = {};
     for (int s = 0; s < p.num_splits; ++s) {
-      float const w = expf(Mem::load_global(lse_s + s * split_stride) - lse);
+      float const w = expf(Mem::load_global(lse_s + s * split_stride) - max_lse) * inv_sum;
       float const* src = o_s + s * split_stride * p.d + col_begin;
       CUTE_UNROLL
       for (int v = 0; v < kCombineCols / 4; ++v) {
@@ -78,7 +81,8 @@ CUTE_HOST_DEVICE void combine_row(FwdParams const& p, BlockInfo const& binfo, in
   for (int c = col_begin; c < col_end; ++c) {
     float acc = 0.f;
     for (int s = 0; s < p.num_splits; ++s) {
-      acc += expf(Mem::load_global(lse_s + s * split_stride) - lse) * Mem::load_global(o_s + s * split_stride * p.d + c);
+      float const w = expf(Mem::load_global(lse_s + s * split_stride) - max_lse) * inv_sum;
+      acc += w * Mem::load_global(o_s + s * split_stride * p.d + c);
     }
     Mem::store_global(o + c, Element(acc));
   }

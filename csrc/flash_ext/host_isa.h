@@ -94,7 +94,7 @@ struct HostGemmArgs {
 };
 
 // One step of the online softmax (softmax.h, OnlineSoftmax::rescale_o) over column-major tiles: scores S
-// (rows x cols, S(m, n) = s[m + n * lds]) become exp2(S * scale_log2 - ref * scale_log2) against each row's
+// (rows x cols, S(m, n) = s[m + n * lds]) become exp2((S - ref) * scale_log2) against each row's
 // reference ref (row_max), and the running sums and O (rows x o_cols, O(m, j) = o[m + j * ldo]) are kept
 // relative to it.  As in rescale_o, the reference moves only when a score of the tile exceeds it by more than
 // kHostSoftmaxSlack in the exp2 domain, and then to the row's running maximum (here per row, there per warp); so

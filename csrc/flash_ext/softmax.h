@@ -2,7 +2,12 @@
 // maximum (row_max), the running sum of exp(score - row_max) (row_sum), and the un-normalised output acc_o,
 // all relative to that reference.  When a tile's scores rise far enough above a row's reference, the old sum
 // and acc_o rows are rescaled by exp(old_ref - new_ref) so that every term is relative to the same value.
-// Scores are kept in the kernel's domain x; exp2(x * scale_log2 - ref * scale_log2) == exp(score - ref).
+// Scores are kept in the kernel's domain x; exp2((x - ref) * scale_log2) == exp(score - ref).  The difference
+// comes first: exact for the maximum (exp2(0) = 1) and for scores near it at any magnitude.  FA2's single
+// FFMA, x * scale_log2 - ref * scale_log2, rounds ref * scale_log2: half an ulp, which reaches 1 at 2^24 and
+// overflows exp2 past 2^32, so finite inputs with large scores gave wrong weights, inf or NaN.  The cost is an
+// FADD per score beside its MUFU.EX2 (8x less throughput): 28 instructions more per K/V tile and warp in the
+// sm_80 head-dim-128 `even` loop (455 against 427, docs/kernels.md), none in the tensor-core or memory work.
 //
 // The reference lags: it moves only when a tile's maximum exceeds it by more than kSoftmaxSlack in the exp2
 // domain, to that maximum (then the running one); rows that move along with another row of their warp go to
@@ -43,9 +48,7 @@ struct OnlineSoftmax {
 
   // A row whose maximum is still -inf has seen only masked keys; subtracting 0 instead keeps its
   // probabilities at exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
-  CUTE_HOST_DEVICE static float safe_max_scaled(float m, float scale_log2) {
-    return m == -INFINITY ? 0.f : m * scale_log2;
-  }
+  CUTE_HOST_DEVICE static float safe_ref(float m) { return m == -INFINITY ? 0.f : m; }
 
   // scores (rows, cols) in the kernel domain, overwritten with exp(score - reference); acc_o (rows, cols)
   // and row_sum rescaled when a reference moves.  `first` is the first tile this CTA processes.
@@ -73,7 +76,7 @@ struct OnlineSoftmax {
       float const m = MaxOp{}(row_max(i), tile_m);
       // A row with no visible key so far has row_max -inf and a zero history: the correction is
       // exp2(-inf) = 0, never inf * 0.  (m >= row_max, so m is finite whenever row_max is.)
-      float const correction = Traits::exp2(row_max(i) * scale_log2 - safe_max_scaled(m, scale_log2));
+      float const correction = Traits::exp2((row_max(i) - safe_ref(m)) * scale_log2);
       row_sum(i) *= correction;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(acc_o); ++j) { acc_o(i, j) *= correction; }
@@ -98,12 +101,11 @@ struct OnlineSoftmax {
     }
     CUTE_UNROLL
     for (int i = 0; i < kNRows; ++i) {
-      float const ref_scaled = safe_max_scaled(row_max(i), scale_log2);
+      float const ref = safe_ref(row_max(i));
       float sum = first ? 0.f : row_sum(i);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(scores); ++j) {
-        // One FFMA + EX2 per score on the GPU: the subtraction is folded into the multiply-add.
-        scores(i, j) = Traits::exp2(scores(i, j) * scale_log2 - ref_scaled);
+        scores(i, j) = Traits::exp2((scores(i, j) - ref) * scale_log2);
         sum += scores(i, j);
       }
       row_sum(i) = sum;

@@ -1645,9 +1645,9 @@ void gemm_blocks(HostGemmArgs const& g) {
 // first tile) its O are scaled by the correction.  So a tile costs at most one extra pass per vector of
 // rows, what rescale_o always pays, however the scores are ordered.
 
-FLASH_EXT_INLINE vf safe_scaled(vf ref, vf scale, vf neg_inf) {
+FLASH_EXT_INLINE vf safe_ref(vf ref, vf neg_inf) {
   // A reference of -inf (only masked keys so far) subtracts 0: exp2(-inf - 0) = 0, not exp2(-inf + inf).
-  return ref == neg_inf ? vf{} : ref * scale;
+  return ref == neg_inf ? vf{} : ref;
 }
 
 void softmax_rescale(HostSoftmaxArgs const& a) {
@@ -1684,8 +1684,8 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
     vf p_even{};  // the last even column's probabilities, until its odd neighbour comes
 #endif
     vf ref = first ? neg_inf : vload(a.row_max + m0);
-    vf ref_scaled = safe_scaled(ref, scale, neg_inf);
-    // A row moves when x * scale - ref_scaled exceeds its limit: the slack, or -inf while the reference is
+    vf base = safe_ref(ref, neg_inf);
+    // A row moves when (x - base) * scale exceeds its limit: the slack, or -inf while the reference is
     // -inf (any score above -inf moves it).  NaN compares false: it never moves a reference, and exp2(NaN)
     // carries it into the sum.
     auto const limit_of = [&](vf r) { return r == neg_inf ? neg_inf : slack; };
@@ -1694,19 +1694,23 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
     float* sn = s;
     for (int n = 0; n < cols; ++n, sn += lds) {
       vf const x = vload(sn);
-      vf y = vfma(x, scale, -ref_scaled);  // one rounding, as the GPU's contracted FFMA
+      // The difference first, then the scale: exact for the maximum (exp2(0) = 1, so a row that saw a key
+      // has sum >= 1) and for scores near it.  x * scale - base * scale as one FMA rounds base * scale, and
+      // once |base * scale| passes ~2^24 that rounding error is whole powers of two (exp2 overflows or the
+      // maximum weighs nothing): large but finite inputs gave inf or NaN.
+      vf y = (x - base) * scale;
       if (any_greater(y, limit)) [[unlikely]] {
         vf rest_max = x;
         for (int j = n + 1; j < cols; ++j) { rest_max = vmax(rest_max, vload(s + j * lds)); }
-        auto const moves = rest_max * scale - ref_scaled > limit;
+        auto const moves = (rest_max - base) * scale > limit;
         vf const new_ref = moves ? rest_max : ref;
-        vf const new_ref_scaled = safe_scaled(new_ref, scale, neg_inf);
+        vf const new_base = safe_ref(new_ref, neg_inf);
         // exp2(old - new) <= 2^-slack where a row moves from a finite reference; 0 from -inf (its history is
         // zero: nothing to keep, and never inf * 0); 1 elsewhere (exact: those lanes are unchanged).
-        vf const correction = moves ? (ref == neg_inf ? vf{} : vexp2(ref_scaled - new_ref_scaled)) : vsplat(1.f);
+        vf const correction = moves ? (ref == neg_inf ? vf{} : vexp2((ref - new_base) * scale)) : vsplat(1.f);
 #if FLASH_EXT_ISA_HAS_TILES
         if (pack) {  // S still holds the scores: the pairs written so far again, exponentiated anew
-          auto const p_at = [&](int j) { return vexp2(vfma(vload(s + j * lds), scale, -new_ref_scaled)); };
+          auto const p_at = [&](int j) { return vexp2((vload(s + j * lds) - new_base) * scale); };
           for (int q = 0; q < n / 2; ++q) { put_pair(q, p_at(2 * q), p_at(2 * q + 1)); }
           if (n & 1) { p_even = p_at(n - 1); }
         } else
@@ -1720,9 +1724,9 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
           for (int j = 0; j < o_cols; ++j) { vstore(o + j * ldo, vload(o + j * ldo) * correction); }
         }
         ref = new_ref;
-        ref_scaled = new_ref_scaled;
+        base = new_base;
         limit = limit_of(ref);
-        y = vfma(x, scale, -ref_scaled);
+        y = (x - base) * scale;
       }
       vf const p = vexp2(y);
       sum += p;
