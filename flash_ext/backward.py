@@ -13,7 +13,7 @@ block's k/v, and the results are that block's dk/dv and its share of dq (the sha
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +44,34 @@ def _prepare(dout, q, k, v, out, softmax_scale, window_size, rank: int):
     return (*tensors, float(softmax_scale), head_dim, padded)
 
 
+def _given_buffer_errors(q, k, v, dq, dk, dv, head_dim: int) -> List[str]:
+    """What the op would say of the caller's buffers, for when it writes padded stand-ins instead (the head dim
+    not a multiple of 8): each must match its input before padding, and none may overlap itself or another."""
+    errors = []
+    given = [(name, g, like) for name, g, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)) if g is not None]
+    for name, g, like in given:
+        shape = (*like.shape[:-1], head_dim)
+        if tuple(g.shape) != shape or g.dtype != like.dtype or g.device != like.device:
+            errors.append(f"{name}: got {g.dtype} {tuple(g.shape)} on {g.device}; must match {shape} {like.dtype} on "
+                          f"{like.device}")
+        if torch._debug_has_internal_overlap(g) == 1:
+            errors.append(f"{name}: strides {g.stride()} with elements that share memory; is written: must not "
+                          "overlap itself (e.g. not an expand()ed tensor)")
+    for i, (name, g, _) in enumerate(given):
+        for other, h, _ in given[i + 1:]:
+            if g.numel() and g.data_ptr() == h.data_ptr() and g.stride() == h.stride():
+                errors.append(f"{name}/{other}: the same memory; are both written: must not overlap each other")
+    return errors
+
+
 def _buffers(q, k, v, dq, dk, dv, head_dim: int, padded: int):
-    """Buffers the op writes: the caller's, or fresh ones; padded stand-ins when the head dim was padded."""
+    """Buffers the op writes: the caller's, or fresh ones; padded stand-ins when the head dim was padded (the
+    caller's are then checked here, before anything runs, and written by _results)."""
+    if padded != head_dim:
+        errors = _given_buffer_errors(q, k, v, dq, dk, dv, head_dim)
+        if errors:
+            raise ValueError("flash_ext: " + "; ".join(errors))
+
     def one(given, like):
         if given is not None and padded == head_dim:
             return given

@@ -99,7 +99,9 @@ def explain(
     """
     # What flash_attn_func checks in Python first; the plan below is then made with neutral stand-ins for
     # those arguments, so that the op's reasons are listed beside them.
-    reasons = _python_arg_errors(dropout_p, window_size)
+    reasons = _python_arg_errors(dropout_p, window_size, softmax_scale)
+    if any(r.startswith("softmax_scale:") for r in reasons):
+        softmax_scale = None
     if _window_size_error(window_size) is not None:
         window_size = (-1, -1)
     if any(r.startswith("dropout_p:") for r in reasons):

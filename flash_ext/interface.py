@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from . import _C, _ops  # noqa: F401  (_ops registers fake kernels and autograd)
 from .dropout import s_dmask, s_dmask_varlen
 
 __all__ = [
@@ -19,28 +19,54 @@ __all__ = [
 
 
 def _window_size_error(window_size) -> Optional[str]:
-    """The rule window_size breaks, or None: the ops take two ints, so the shape is checked here."""
+    """The rule window_size breaks, or None: the ops take two ints, so the shape is checked here.  Any integer
+    type (NumPy's too) is taken, and a negative side is unbounded, as in flash_attn."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        return f"window_size: got {window_size!r}; must be a pair of ints (left, right), -1 = unbounded"
+            and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        return f"window_size: got {window_size!r}; must be a pair of ints (left, right), negative = unbounded"
     return None
 
 
-def _python_arg_errors(dropout_p: float, window_size) -> List[str]:
+def _python_arg_errors(dropout_p: float, window_size, softmax_scale=None) -> List[str]:
     """Python-side argument types (the value rules, dropout_p in [0, 1) and the rest, are the op's)."""
     errors = []
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
         errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1)")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat))):
+        errors.append(f"softmax_scale: got {softmax_scale!r}; must be None (1 / sqrt(headdim)) or a float > 0")
     window_error = _window_size_error(window_size)
     if window_error:
         errors.append(window_error)
     return errors
 
 
-def _check_python_args(dropout_p: float, window_size) -> None:
-    errors = _python_arg_errors(dropout_p, window_size)
+def _check_python_args(dropout_p: float, window_size, softmax_scale=None) -> None:
+    errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
     if errors:
         raise ValueError("flash_ext: " + "; ".join(errors))
+
+
+def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    num_splits) -> None:
+    """flash_attn_func's Python-side type rules, and when one fails, the op's own rules too (its plan, made
+    with neutral stand-ins for the arguments that failed here, runs no kernel): one error lists everything,
+    in the op's format."""
+    errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
+    if not errors:
+        return
+    window = (-1, -1) if _window_size_error(window_size) is not None else window_size
+    p = 0.0 if any(e.startswith("dropout_p:") for e in errors) else dropout_p
+    softmax_scale = None if any(e.startswith("softmax_scale:") for e in errors) else softmax_scale
+    try:
+        q, k, v, scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
+        plan = _C.plan_fwd(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
+                           alibi_slopes, int(num_splits), float(p))
+        errors += plan.get("reasons", [])
+    except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to plan: theirs is the error
+        errors.append(str(e))
+    raise ValueError(f"flash_ext.fwd: {len(errors)} invalid argument{'s' if len(errors) > 1 else ''}:" +
+                     "".join(f"\n  - {e}" for e in errors))
 
 
 def maybe_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -95,8 +121,8 @@ def flash_attn_func(
     * ``causal``: the mask is aligned to the bottom-right corner: query ``i`` sees keys
       ``j <= i + seqlen_k - seqlen_q``.
     * ``window_size=(left, right)``: query ``i`` sees keys in
-      ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 leaves a side unbounded.
-    * ``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` before masking.
+      ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; a negative side is unbounded.
+    * ``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` before masking (``<= 0``: off).
     * ``alibi_slopes`` fp32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
     * A query row that sees no key gets output 0 and log-sum-exp ``+inf``.
     * ``dropout_p`` in ``[0, 1)`` (1 is refused, as flash_attn 2.8 does): each softmax probability is
@@ -113,8 +139,8 @@ def flash_attn_func(
       ``deterministic=True`` makes the GPU backward
       accumulate dQ in a fixed order (bitwise identical gradients run to run, a little slower); on the CPU
       the backward is always deterministic, for any thread count.  The forward is always deterministic.
-    * ``num_splits`` (an addition to flash_attn's signature): split-KV parallelism.  0 picks it with the
-      heuristic (splits only when the grid would leave processors idle: few batch x heads x query blocks,
+    * ``num_splits`` (an addition to flash_attn's signature): split-KV parallelism.  0 (or less) picks it with
+      the heuristic (splits only when the grid would leave processors idle: few batch x heads x query blocks,
       long seqlen_k), 1 turns it off, n > 1 forces n splits (at most 128).  Results equal the unsplit ones
       up to fp32 rounding of the combine.
 
@@ -125,7 +151,7 @@ def flash_attn_func(
     dropped 0), recomputed after the kernel by an O(seqlen_q x seqlen_k) path (flash_ext/dropout.py).
     Unlike flash_attn's, it is normalised and not padded to multiples of 128.
     """
-    _check_python_args(dropout_p, window_size)
+    _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=4)
     out, lse, rng_state = torch.ops.flash_ext.fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
                                                   int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
@@ -221,7 +247,7 @@ def flash_attn_varlen_func(
     the sequence; ``S_dmask`` is ``(batch, nheads, max_seqlen_q, max_seqlen_k)``, zero outside each
     sequence's block.
     """
-    _check_python_args(dropout_p, window_size)
+    _check_python_args(dropout_p, window_size, softmax_scale)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3,
                                                     kv_rank=4 if block_table is not None else 3)
     out, lse, rng_state = torch.ops.flash_ext.varlen_fwd(

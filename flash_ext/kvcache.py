@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .interface import _window_size_error, maybe_contiguous
+from .interface import _python_arg_errors, maybe_contiguous
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -32,13 +32,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                      rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
-                     cache_seqlens: Optional[Union[int, torch.Tensor]], window_size) -> List[str]:
+                     cache_seqlens: Optional[Union[int, torch.Tensor]], window_size, softmax_scale) -> List[str]:
     """Every unmet requirement the Python layer can see from shapes and types alone (values are the ops'
     business, before they write or read anything), as 'argument: got ...; rule' lines."""
-    errors = []
-    window_error = _window_size_error(window_size)
-    if window_error:
-        errors.append(window_error)
+    errors = _python_arg_errors(0.0, window_size, softmax_scale)
     if q.dim() != 4 or k_cache.dim() != 4:
         errors.append(f"q/k_cache: got {tuple(q.shape)}/{tuple(k_cache.shape)}; must both be 4-D")
     if (k is None) != (v is None):
@@ -54,6 +51,12 @@ def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.T
             errors.append("rotary_cos/rotary_sin: given without new k/v; rotary embeddings apply to appended keys "
                           "(and q) only, so k and v must be given (as in flash_attn)")
         head_dim = q.shape[-1] if q.dim() >= 1 else 0
+        if rotary_cos.device != q.device or rotary_sin.device != q.device:
+            errors.append(f"rotary_cos/rotary_sin: got devices {rotary_cos.device}/{rotary_sin.device}; must be q's "
+                          f"({q.device})")
+        if not (rotary_cos.is_floating_point() and rotary_sin.is_floating_point()):
+            errors.append(f"rotary_cos/rotary_sin: got dtypes {rotary_cos.dtype}/{rotary_sin.dtype}; must be floating "
+                          "point")
         if not (rotary_cos.dim() == 2 and rotary_sin.shape == rotary_cos.shape and rotary_cos.shape[0] >= 1
                 and 0 < 2 * rotary_cos.shape[1] <= head_dim):
             errors.append(f"rotary_cos/rotary_sin: got {tuple(rotary_cos.shape)}/{tuple(rotary_sin.shape)}; must "
@@ -62,7 +65,10 @@ def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.T
         if k is not None:
             errors.append("cache_seqlens: got None with new k/v; appending needs the current cache lengths (an int "
                           "or an int32 tensor of shape (batch,))")
-    elif not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not -2 ** 31 <= cache_seqlens < 2 ** 31:
+            errors.append(f"cache_seqlens: got {cache_seqlens}; an int must fit int32 (and be within the cache)")
+    else:
         b = q.shape[0] if q.dim() >= 1 else -1
         if not (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
                 and cache_seqlens.dim() == 1 and cache_seqlens.shape[0] == b):
@@ -124,9 +130,9 @@ def flash_attn_with_kvcache(
       ``cache_leftpad`` (int32 (b,)): the cache of entry i starts at row ``cache_leftpad[i]``.
     * ``k``/``v`` (b, seqlen_new, nheads_k, d): appended **in place** at rows ``cache_seqlens[i] ...`` before
       attention.  With ``rotary_cos``/``rotary_sin`` ((seqlen_ro, rotary_dim / 2)), k is rotated at those
-      absolute positions, and q at ``cache_seqlens[i] + j`` when causal or local, else at
-      ``cache_seqlens[i]`` for every query row (``rotary_interleaved``: GPT-J style, else GPT-NeoX).
-      Rotary tables without new k/v are an error, as in flash_attn.
+      absolute positions, and q at ``cache_seqlens[i] + j`` when causal or local (a window side below the
+      cache capacity), else at ``cache_seqlens[i]`` for every query row (``rotary_interleaved``: GPT-J
+      style, else GPT-NeoX).  Rotary tables without new k/v are an error, as in flash_attn.
     * Keys visible to entry i: rows ``[cache_leftpad[i], cache_seqlens[i] + seqlen_new)``; causal/local
       masks are bottom-right aligned to them.  Other arguments as in ``flash_attn_func``.
 
@@ -140,7 +146,7 @@ def flash_attn_with_kvcache(
     (``torch.ops.flash_ext.kvcache_fwd``, mutation declared), so a decode step compiles into one graph under
     ``torch.compile``.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
     """
-    errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size)
+    errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size, softmax_scale)
     if errors:
         raise ValueError(f"flash_ext.flash_attn_with_kvcache: {len(errors)} invalid argument"
                          f"{'s' if len(errors) > 1 else ''}:" + "".join(f"\n  - {e}" for e in errors))
@@ -165,7 +171,10 @@ def flash_attn_with_kvcache(
         # The rotary gathers run on clamped positions before the op validates them: if a position was out of
         # range the op raises (writing nothing) and these rotated values are never used.
         seqlen_new = k.shape[1]
-        local = causal or window_size[0] >= 0 or window_size[1] >= 0
+        # flash_attn rotates every q row at its own position when the kernel is causal or local, deciding that
+        # after a window side of at least the cache capacity became unbounded (as any negative side is).
+        bounded = [0 <= w < capacity for w in window_size]
+        local = causal or bounded[0] or bounded[1]
         if rotary_cos is not None:
             rotary_len = rotary_cos.shape[0]
             rotary_rows = max(seqlen_new, sq if local else 1)
@@ -174,8 +183,8 @@ def flash_attn_with_kvcache(
             qpos = seqlens.long()[:, None] + (torch.arange(sq, device=dev)[None, :] if local else 0)
             q = apply_rotary(q, rotary_cos, rotary_sin, qpos.expand(b, sq).clamp(0, rotary_len - 1),
                              rotary_interleaved)
-        # The cache is plain storage (no autograd history), in the cache's dtype.
-        k, v = k.detach().to(k_cache.dtype), v.detach().to(v_cache.dtype)
+        # The cache is plain storage (no autograd history); a dtype other than the cache's is the op's error.
+        k, v = k.detach(), v.detach()
 
     args = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
             bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),

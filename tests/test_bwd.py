@@ -559,10 +559,10 @@ def test_bwd_op_reports_every_bad_argument_and_writes_nothing():
     bad_lse = lse[:, :, :5]                        # wrong shape
     bad_dk = torch.full((2, 12, 2, 32), 7.0, dtype=torch.bfloat16)  # wrong dtype
     with pytest.raises(ValueError) as err:
-        torch.ops.flash_ext.bwd(bad_dout, q, k, v, out, bad_lse, dq, bad_dk, dv, 0.0, -1.0, True, -2, -1, 0.0, None,
-                                False)
+        torch.ops.flash_ext.bwd(bad_dout, q, k, v, out, bad_lse, dq, bad_dk, dv, 0.0, -1.0, True, -1, -1,
+                                float("nan"), None, False)
     msg = str(err.value)
-    for name in ("dout", "softmax_lse", "dk", "softmax_scale", "window_size[0]"):
+    for name in ("dout", "softmax_lse", "dk", "softmax_scale", "softcap"):
         assert name in msg, (name, msg)
     assert (dq == 7).all() and (bad_dk == 7).all() and (dv == 7).all()
     with pytest.raises(ValueError, match="dropout_p"):

@@ -44,9 +44,9 @@ def _bad_kvcache_calls():
     q = torch.randn(b, 1, h, d, dtype=torch.bfloat16)
     seqlens = torch.tensor([3, 5], dtype=torch.int32)
     return [
-        ("softcap < 0", dict(q=q, softcap=-1.0), "softcap"),
+        ("softcap NaN", dict(q=q, softcap=float("nan")), "softcap"),
         ("num_splits too large", dict(q=q, num_splits=129), "num_splits"),
-        ("window (-3, 0)", dict(q=q, window_size=(-3, 0)), r"window_size\[0\]"),
+        ("window (0.5, 0)", dict(q=q, window_size=(0.5, 0)), "window_size"),
         ("scale 0", dict(q=q, softmax_scale=0.0), "softmax_scale"),
         ("wrong ALiBi shape", dict(q=q, alibi_slopes=torch.rand(5)), "alibi_slopes.shape"),
         ("q fp16 with a bf16 cache", dict(q=q.half()), "dtype"),
@@ -414,6 +414,168 @@ def test_kvcache_append_into_overlapping_caches_is_refused() -> None:
     out = flash_ext.flash_attn_with_kvcache(q, shared, shared, cache_seqlens=3,
                                             cache_batch_idx=torch.tensor([0, 0], dtype=torch.int32))
     assert out.shape == q.shape
+
+
+def test_kvcache_new_rows_that_view_a_cache_append_their_values_before_the_call() -> None:
+    """New k/v that are views of the caches (a step re-appending cached rows) were read while the append wrote
+    over them: a partial write then an error (one entry), or a silently wrong cache (two)."""
+    torch.manual_seed(3)
+    for b in (1, 2):
+        kc, vc = torch.randn(b, 16, 2, 64), torch.randn(b, 16, 2, 64)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q = torch.randn(b, 2, 2, 64)
+        new_k, new_v = kc[:, 1:3], vc[:, 2:4]  # views of the caches, overlapping the rows written ([3, 5))
+        expected = flash_ext.flash_attn_with_kvcache(q, kc_ref, vc_ref, new_k.clone(), new_v.clone(), cache_seqlens=3)
+        out = flash_ext.flash_attn_with_kvcache(q, kc, vc, new_k, new_v, cache_seqlens=3)
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref) and torch.equal(out, expected), b
+
+
+def test_kvcache_op_refuses_inference_caches_outside_inference_mode_before_writing() -> None:
+    """The op called directly (the Python function switches inference mode on itself): torch refused the update
+    only after the op had appended."""
+    with torch.inference_mode():
+        kc, vc = torch.randn(1, 16, 2, 64), torch.randn(1, 16, 2, 64)
+    before = kc.clone(), vc.clone()
+    q, kn = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 2, 64)
+    with pytest.raises(ValueError, match=r"(?s)k_cache: got an inference tensor .*v_cache: got an inference tensor"):
+        torch.ops.flash_ext.kvcache_fwd(q, kc, vc, kn, kn, torch.tensor([3], dtype=torch.int32), None, None, None,
+                                        0.125, False, -1, -1, 0.0, None)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_paged_append_into_a_page_row_another_entry_uses_is_refused() -> None:
+    """Two entries whose appends land on the same page rows (or one entry's append on rows another reads) lost
+    one entry's key silently; the non-paged path already refused repeated cache entries.  A prefix page that
+    entries only read is shared legitimately."""
+    torch.manual_seed(4)
+    kc, vc = torch.randn(4, 128, 2, 64), torch.randn(4, 128, 2, 64)
+    before = kc.clone(), vc.clone()
+    q, kn = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    seqlens = torch.tensor([3, 3], dtype=torch.int32)
+    cases = [([[0, 1], [0, 2]], r"page 0 row 3 appended to by batch entry 0 \(its row 3\) and (read|appended to) "
+                                r"by entry 1"),
+             ([[0, 1], [2, 3]], None)]
+    for table, needle in cases:
+        table = torch.tensor(table, dtype=torch.int32)
+        if needle is None:
+            flash_ext.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, kn, cache_seqlens=seqlens,
+                                              block_table=table)
+            continue
+        with pytest.raises(ValueError, match=needle):
+            flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=seqlens, block_table=table)
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    # Entry 1 reads page 0 (rows 0-127) as its prefix while entry 0 appends to it at row 3.
+    with pytest.raises(ValueError, match="read by entry 1"):
+        flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=torch.tensor([3, 130], dtype=torch.int32),
+                                          block_table=torch.tensor([[0, 1], [0, 2]], dtype=torch.int32))
+    assert torch.equal(kc, before[0])
+    # A shared prefix page only read, each entry appending to a page of its own: fine.
+    out = flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, kn,
+                                            cache_seqlens=torch.tensor([130, 130], dtype=torch.int32),
+                                            block_table=torch.tensor([[0, 1], [0, 2]], dtype=torch.int32))
+    assert out.shape == q.shape and torch.equal(kc[1, 2], kn[0, 0]) and torch.equal(kc[2, 2], kn[1, 0])
+
+
+def test_kvcache_new_rows_of_another_dtype_are_refused() -> None:
+    """New k/v were cast into the cache's dtype before the op's check: a float64 k of 1e6 landed in an fp16
+    cache as inf, an int64 v was accepted.  flash_attn refuses both; rotary tables must be floating point."""
+    q = torch.randn(1, 1, 2, 64, dtype=torch.float16)
+    kc, vc = torch.randn(1, 16, 2, 64, dtype=torch.float16), torch.randn(1, 16, 2, 64, dtype=torch.float16)
+    before = kc.clone(), vc.clone()
+    kn = torch.full((1, 1, 2, 64), 1e6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"k/v\.dtype: got Double/Long"):
+        flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, kn.long(), cache_seqlens=3)
+    table = torch.ones(8, 16, dtype=torch.int64)
+    with pytest.raises(ValueError, match="rotary_cos/rotary_sin: got dtypes torch.int64"):
+        flash_ext.flash_attn_with_kvcache(q, kc, vc, kn.half(), kn.half(), table, table, cache_seqlens=3)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_flash_attn_lenient_values_mean_what_they_mean_there() -> None:
+    """Values flash_attn 2.8 takes that flash_ext refused: softcap <= 0 is off (its docstring), a negative window
+    side is unbounded and num_splits < 1 picks the heuristic (its C++ API), NumPy integers as window sides.
+    Each must give the result of its canonical spelling, in every entry point."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 40, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    pairs = [(dict(softcap=-3.0), dict(softcap=0.0)),
+             (dict(window_size=(-5, -2)), dict()),
+             (dict(window_size=(-2, 0)), dict(causal=True)),
+             (dict(window_size=(np.int64(7), np.int32(0))), dict(window_size=(7, 0))),
+             (dict(num_splits=-1), dict(num_splits=0))]
+    cu = torch.tensor([0, 40, 80], dtype=torch.int32)
+    kc, vc = torch.zeros(2, 64, 2, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 2, 64, dtype=torch.bfloat16)
+    calls = {
+        "func": lambda kw: flash_ext.flash_attn_func(q, k, v, **kw),
+        "varlen": lambda kw: flash_ext.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu,
+                                                              cu, 40, 40, **kw),
+        "kvcache": lambda kw: flash_ext.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=0, **kw),
+    }
+    for name, call in calls.items():
+        for lenient, canonical in pairs:
+            assert torch.equal(call(lenient), call(canonical)), (name, lenient)
+
+
+def test_kvcache_rotary_positions_follow_flash_attn_window_clamp() -> None:
+    """flash_attn makes a window side of at least the cache capacity unbounded before deciding whether q's rows
+    are rotated at their own positions (causal or local) or all at cache_seqlens: (capacity, -1) is not local."""
+    torch.manual_seed(6)
+    q = torch.randn(1, 4, 2, 64)
+    kc, vc = torch.randn(1, 32, 2, 64), torch.randn(1, 32, 2, 64)
+    kn, vn = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64)
+    cos, sin = torch.rand(64, 16), torch.rand(64, 16)
+    outs = [flash_ext.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cos, sin, cache_seqlens=5,
+                                              window_size=w) for w in [(-1, -1), (32, -1), (-1, 40)]]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    local = flash_ext.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cos, sin, cache_seqlens=5,
+                                             window_size=(31, -1))
+    assert not torch.equal(outs[0], local)  # a bounded side: q row j rotated at cache_seqlens + j
+
+
+def test_empty_inputs_with_a_strided_last_dimension() -> None:
+    """Empty q or k/v whose last dimension has a stride (maybe_contiguous leaves empty tensors as they are) were
+    refused for the stride; there is nothing to read."""
+    base = torch.randn(2, 8, 2, 128)
+    q, k = base[:, :, :, ::2], base[:, :, :, ::2]
+    for qq, kk in [(q[:0], k[:0]), (q[:, :0], k), (q, k[:, :0])]:
+        out = flash_ext.flash_attn_func(qq, kk, kk)
+        assert out.shape == qq.shape and (out == 0).all()
+
+
+def test_bwd_refuses_gradient_buffers_that_overlap() -> None:
+    """dk and dv as one tensor, an expand()ed dk, dq aliasing q: a wrong gradient with no error.  Slices of one
+    packed buffer (flash_attn's qkv-packed backward passes dqkv[:, :, i]) do not overlap and stay accepted."""
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
+    out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    g = lambda: torch.empty_like(q)  # noqa: E731
+    one = g()
+    bad = [((g(), one, one), "dk/dv: got tensors sharing memory"),
+           ((g(), torch.empty(1, 1, 2, 64).expand(1, 16, 2, 64), g()), "dk: got strides"),
+           ((q, g(), g()), "dq/q: got tensors sharing memory")]
+    for (dq, dk, dv), needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            flash_ext.flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv)
+    dqkv = torch.empty(1, 16, 3, 2, 64)
+    grads = flash_ext.flash_attn_backward(dout, q, k, v, out, lse, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2])
+    ref = flash_ext.flash_attn_backward(dout, q, k, v, out, lse)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    assert torch.equal(dqkv[:, :, 1], ref[1])
+
+
+def test_backward_checks_caller_buffers_before_writing_when_the_head_dim_is_padded() -> None:
+    """At a head dim that is not a multiple of 8 the op writes padded stand-ins and the caller's buffers were
+    only checked by the copy after it: dq written, then an error not naming dk; a dq of another dtype cast."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 16, 2, 60) for _ in range(3))
+    out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
+    dq = torch.zeros_like(q)
+    with pytest.raises(ValueError, match=r"dk: got torch.float32 \(1, 15, 2, 60\)"):
+        flash_ext.flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, dq, torch.empty(1, 15, 2, 60))
+    assert (dq == 0).all()
+    with pytest.raises(ValueError, match="dq: got torch.float16"):
+        flash_ext.flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, dq.half())
 
 
 def test_index_value_errors_name_the_value() -> None:

@@ -46,7 +46,7 @@ def test_explain_window_normalisation_is_reported() -> None:
 
 def test_explain_lists_every_reason() -> None:
     q, k, v = (torch.randn(1, 10, 2, 64, dtype=torch.bfloat16) for _ in range(3))
-    e = flash_ext.explain(q.double(), k, v[..., :3], softcap=-1.0, dropout_p=1.0, verbose=False)
+    e = flash_ext.explain(q.double(), k, v[..., :3], softcap=float("nan"), dropout_p=1.0, verbose=False)
     assert not e.ok
     joined = "\n".join(e.reasons)
     for needle in ("dropout_p", "q.dtype", "softcap", "v.shape"):

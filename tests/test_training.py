@@ -215,6 +215,7 @@ def test_compile_backward_graph_has_the_bwd_op(device):
     """The backward is traced as the registered op (not a decomposition): its node is in the AOT graph."""
     device = require_device(device)
     _skip_missing_head_dim(device, 64)
+    from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_function
 
     seen = []
@@ -223,7 +224,7 @@ def test_compile_backward_graph_has_the_bwd_op(device):
         for n in gm.graph.nodes:
             if n.op == "call_function":
                 seen.append(str(n.target) + " " + " ".join(str(a) for a in n.args[:1]))
-        return gm
+        return make_boxed_func(gm)  # AOT autograd's calling convention (an unboxed one only warns)
 
     def f(q, k, v):
         return flash_attn_func(q, k, v, causal=True).sum()

@@ -127,9 +127,9 @@ def test_varlen_bad_input(over: dict, needle: str) -> None:
 def test_varlen_bad_input_lists_everything_at_once() -> None:
     with pytest.raises(ValueError) as err:
         _bad_call(cu_seqlens_q=torch.tensor([0, 6, 4], dtype=torch.int32), max_seqlen_k=3,
-                  window_size=(-5, 0))
+                  softcap=float("nan"))
     msg = str(err.value)
-    assert "non-decreasing" in msg and "max_seqlen_k" in msg and "window_size[0]" in msg, msg
+    assert "non-decreasing" in msg and "max_seqlen_k" in msg and "softcap" in msg, msg
 
 
 def _paged_copy(k: torch.Tensor, cu_k: torch.Tensor, page_size: int, max_pages: int, seed: int = 0):

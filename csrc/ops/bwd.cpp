@@ -30,8 +30,8 @@ namespace {
 // dout and out like q; softmax_lse fp32 of lse_shape; dq like q, dk and dv like k (any strides with a
 // contiguous last dimension: they are written in place).
 void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
-                       at::Tensor const& out, at::Tensor const& lse, at::Tensor const& dq, at::Tensor const& dk,
-                       at::Tensor const& dv, std::vector<int64_t> const& lse_shape) {
+                       at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse, at::Tensor const& dq,
+                       at::Tensor const& dk, at::Tensor const& dv, std::vector<int64_t> const& lse_shape) {
   auto like = [&](at::Tensor const& t, char const* name, at::Tensor const& ref, char const* ref_name, bool written) {
     bool const same = t.sizes() == ref.sizes() && t.scalar_type() == ref.scalar_type() && t.device() == ref.device();
     c.require(same, name, str(t.scalar_type()) + " " + str(t.sizes()) + " on " + str(t.device()),
@@ -53,6 +53,8 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
                       lse.sizes() == at::IntArrayRef(lse_shape);
   c.require(lse_ok, "softmax_lse", str(lse.scalar_type()) + " " + str(lse.sizes()) + " on " + str(lse.device()),
             "must be float32 " + str(at::IntArrayRef(lse_shape)) + " on q's device (the forward's softmax_lse)");
+  check_no_overlap(c, {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}},
+                   {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "softmax_lse"}});
 }
 
 // The optional gradient of softmax_lse: fp32, softmax_lse's shape, q's device.
@@ -202,13 +204,13 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.bwd");
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
-  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes, /*num_splits=*/1);
+  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, softcap, alibi_slopes,
+                /*num_splits=*/1);
   check_bwd_dropout(c, q, dropout_p, rng_state);
   check_bwd_head_dim(c, q);
   if (shapes_ok) {
     check_lengths(c, q.size(1), k.size(1), "q.shape[1]/k.shape[1]");
-    check_bwd_tensors(c, dout, q, k, out, softmax_lse, dq, dk, dv, {q.size(0), q.size(2), q.size(1)});
+    check_bwd_tensors(c, dout, q, k, v, out, softmax_lse, dq, dk, dv, {q.size(0), q.size(2), q.size(1)});
     check_dlse(c, dsoftmax_lse, softmax_lse);
     c.require(q.size(0) * q.size(1) <= INT32_MAX, "q", str(q.sizes()),
               "batch x seqlen_q must be < 2^31 (the dQ accumulators are addressed with 32-bit rows)");
@@ -252,12 +254,11 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
   c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_lengths(c, max_seqlen_q, max_seqlen_k, "max_seqlen_q/max_seqlen_k");
-  check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                /*num_splits=*/1);
+  check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, softcap, alibi_slopes, /*num_splits=*/1);
   check_bwd_dropout(c, q, dropout_p, rng_state);
   check_bwd_head_dim(c, q);
   if (shapes_ok) {
-    check_bwd_tensors(c, dout, q, k, out, softmax_lse, dq, dk, dv, {q.size(1), q.size(0)});
+    check_bwd_tensors(c, dout, q, k, v, out, softmax_lse, dq, dk, dv, {q.size(1), q.size(0)});
     check_dlse(c, dsoftmax_lse, softmax_lse);
     c.require(q.size(0) <= INT32_MAX, "q", str(q.sizes()), "total_q must be < 2^31");
   }

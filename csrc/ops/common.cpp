@@ -1,5 +1,6 @@
 #include "common.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -379,8 +380,8 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
             str(k.device()) + "/" + str(v.device()), "must equal q.device (" + str(q.device()) + ")");
   for (auto const& [name, t] : {std::pair{std::string("q"), &q}, std::pair{kname, &k}, std::pair{vname, &v}}) {
     if (t->dim() >= 1) {
-      c.require(t->stride(-1) == 1 || t->size(-1) <= 1, name + ".stride(-1)", std::to_string(t->stride(-1)),
-                "the last dimension must be contiguous");
+      c.require(t->stride(-1) == 1 || t->size(-1) <= 1 || t->numel() == 0, name + ".stride(-1)",
+                std::to_string(t->stride(-1)), "the last dimension must be contiguous");
     }
   }
   bool const ranks_ok = q.dim() == rank && k.dim() == kv_rank && v.dim() == kv_rank;
@@ -427,13 +428,12 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
 }
 
 void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
-                   int64_t window_left, int64_t window_right, double softcap,
-                   std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
-  c.require(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
-            "must be 0 (heuristic), 1 (no split) or a split count up to " + std::to_string(kMaxSplits));
-  c.require(window_left >= -1, "window_size[0]", std::to_string(window_left), "must be >= -1 (-1: unbounded)");
-  c.require(window_right >= -1, "window_size[1]", std::to_string(window_right), "must be >= -1 (-1: unbounded)");
-  c.require(softcap >= 0 && std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite and >= 0 (0: off)");
+                   double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  // As flash_attn 2.8's C++ API: num_splits < 1 picks the heuristic, a negative window side is unbounded and a
+  // softcap <= 0 is off (its Python docstring: "<= 0.0 means deactivate"); set_semantics maps them.
+  c.require(num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
+            "must be <= " + std::to_string(kMaxSplits) + " (0 or less: heuristic, 1: no split, n: n splits)");
+  c.require(std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite (<= 0: off)");
   // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
   c.require(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale", std::to_string(softmax_scale),
             "must be finite and > 0");
@@ -445,6 +445,29 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
                   std::to_string(heads) + ")");
     c.require(a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
     c.require(a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
+  }
+}
+
+void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, char const*>> const& written,
+                      std::vector<std::pair<at::Tensor const*, char const*>> const& read) {
+  auto shares = [](at::Tensor const& a, at::Tensor const& b) {
+    if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) { return false; }
+    at::MemOverlapStatus const s = at::get_overlap_status(a, b);
+    return s == at::MemOverlapStatus::Full || s == at::MemOverlapStatus::Partial;
+  };
+  for (size_t i = 0; i < written.size(); ++i) {
+    auto const& [t, name] = written[i];
+    c.require(at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
+              "strides " + str(t->strides()) + " with elements that share memory",
+              "is written: must not overlap itself (e.g. not an expand()ed tensor)");
+    for (size_t j = i + 1; j < written.size(); ++j) {
+      c.require(!shares(*t, *written[j].first), std::string(name) + "/" + written[j].second, "tensors sharing memory",
+                "are both written: must not overlap each other");
+    }
+    for (auto const& [r, r_name] : read) {
+      c.require(!shares(*t, *r), std::string(name) + "/" + r_name, "tensors sharing memory",
+                std::string(name) + " is written while " + r_name + " is read: they must not overlap");
+    }
   }
 }
 
@@ -460,6 +483,7 @@ void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::strin
 
 void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                    double softcap, std::optional<at::Tensor> const& alibi_slopes) {
+  softcap = std::max(softcap, 0.0);  // <= 0: off (flash_attn)
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
   if (softcap > 0) {
@@ -477,8 +501,8 @@ void set_semantics(FwdParams& p, double softmax_scale, bool causal, int64_t wind
   // Both sides are then below the lengths, which check_lengths keeps in int range.  causal is window
   // (-1, 0) (a finite left window with causal makes a local problem).  With one query row, bottom-right
   // causal shows every key.
-  if (window_left >= std::max(p.seqlen_k - 1, 0)) { window_left = -1; }
-  if (window_right >= std::max(p.seqlen_q - 1, 0)) { window_right = -1; }
+  if (window_left < 0 || window_left >= std::max(p.seqlen_k - 1, 0)) { window_left = -1; }
+  if (window_right < 0 || window_right >= std::max(p.seqlen_q - 1, 0)) { window_right = -1; }
   if (causal) { window_right = 0; }
   p.window_left = int(window_left);
   p.window_right = int(window_right);
@@ -514,7 +538,7 @@ std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q,
   p.num_splits = 1;
   if (requested > 1) {
     p.num_splits = int(requested);
-  } else if (requested == 0) {
+  } else if (requested <= 0) {
     DeviceInfo const dev = call_device(q);
     TileChoice const t = choose_tile(p, q, dev);
     if (t.ok) {

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flash_ext/fwd_api.h"
@@ -92,12 +93,18 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
 
 // Scale, window, softcap, ALiBi and num_splits rules.  batch/heads < 0: not known (shape errors elsewhere).
 void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
-                   int64_t window_left, int64_t window_right, double softcap,
-                   std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits);
+                   double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits);
 
 // seqlen_q + seqlen_k must leave the kernels' 32-bit row/key arithmetic room (kMaxLengthSum); with forced
 // split-KV the partial accumulators' rows (b * seqlen_q, or total_q) must fit an int too.  `what` names the
 // arguments the lengths come from.
+// Tensors an op writes must not share elements with one another, with themselves (an expand()ed tensor) or
+// with what it reads: the result would depend on the order of the writes.  Decided where torch decides it
+// cheaply (dense tensors, the same tensor twice, stride-0 dimensions); strided views that may interleave
+// without sharing an element, such as the slices of one packed dqkv, pass (flash_attn checks none of it).
+void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, char const*>> const& written,
+                      std::vector<std::pair<at::Tensor const*, char const*>> const& read);
+
 void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::string const& what, int64_t rows = 0,
                    int64_t num_splits = 1);
 

@@ -12,12 +12,11 @@ namespace {
 
 // Every check of fwd; returns whether the shapes were readable (later steps need them).
 bool check_fwd(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale,
-               int64_t window_left, int64_t window_right, double softcap,
-               std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, double dropout_p,
+               double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, double dropout_p,
                std::optional<at::Tensor> const& rng_state) {
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
-  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes, num_splits);
+  check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, softcap, alibi_slopes,
+                num_splits);
   check_dropout(c, q.device(), dropout_p, rng_state);
   if (shapes_ok) {
     check_lengths(c, q.size(1), k.size(1), "q.shape[1]/k.shape[1]", q.size(0) * q.size(1), num_splits);
@@ -54,8 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
   // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.fwd");
-  check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, dropout_p,
-            rng_state);
+  check_fwd(c, q, k, v, softmax_scale, softcap, alibi_slopes, num_splits, dropout_p, rng_state);
   c.raise_if_any();
   if (swap_groups(q, k, window_left, alibi_slopes, dropout_p)) {
     auto const [out, lse, rng] = fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, /*causal=*/false, -1, -1,
@@ -88,8 +86,7 @@ Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, dou
   // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
   ArgChecker c("flash_ext.fwd");
-  check_fwd(c, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, dropout_p,
-            std::nullopt);
+  check_fwd(c, q, k, v, softmax_scale, softcap, alibi_slopes, num_splits, dropout_p, std::nullopt);
   if (!c.errors().empty()) {
     Plan plan;
     plan.ok = false;

@@ -120,4 +120,49 @@ void check_pages(ArgChecker& c, int const* table, int64_t width, int64_t batch, 
             std::string(which) + " must index " + pages_of + " pages [0, " + std::to_string(num_pages) + ")");
 }
 
+void check_paged_append(ArgChecker& c, int const* table, int64_t width, int64_t batch, int64_t page_size,
+                        int const* len, int64_t seqlen_new) {
+  if (seqlen_new <= 0) { return; }
+  struct Access {
+    int page;
+    int64_t begin, end;   // rows within the page
+    int64_t entry, slot;  // which entry, through which column of its table row
+    bool write;
+  };
+  std::vector<Access> accesses;
+  for (int64_t i = 0; i < batch; ++i) {
+    int64_t const end = int64_t(len[i]) + seqlen_new;
+    for (int64_t j = 0; j < std::min(width, (end + page_size - 1) / page_size); ++j) {
+      int64_t const base = j * page_size, rows = std::min(page_size, end - base);
+      int const page = table[i * width + j];
+      accesses.push_back({page, 0, rows, i, j, false});
+      int64_t const first_new = std::max<int64_t>(len[i] - base, 0);
+      if (first_new < rows) { accesses.push_back({page, first_new, rows, i, j, true}); }
+    }
+  }
+  std::sort(accesses.begin(), accesses.end(), [](Access const& a, Access const& b) { return a.page < b.page; });
+  for (size_t g = 0; g < accesses.size();) {  // one page at a time; pages nobody writes cost one pass
+    size_t e = g;
+    bool written = false;
+    for (; e < accesses.size() && accesses[e].page == accesses[g].page; ++e) { written |= accesses[e].write; }
+    for (size_t w = g; written && w < e; ++w) {
+      if (!accesses[w].write) { continue; }
+      for (size_t o = g; o < e; ++o) {
+        Access const &a = accesses[w], &b = accesses[o];
+        bool const same = a.entry == b.entry && a.slot == b.slot;
+        if (same || std::max(a.begin, b.begin) >= std::min(a.end, b.end)) { continue; }
+        int64_t const row = std::max(a.begin, b.begin);
+        c.require(false, "block_table",
+                  "page " + std::to_string(a.page) + " row " + std::to_string(row) + " appended to by batch entry " +
+                      std::to_string(a.entry) + " (its row " + std::to_string(a.slot * page_size + row) + ") and " +
+                      (b.write ? "appended to" : "read") + " by entry " + std::to_string(b.entry) + " (its row " +
+                      std::to_string(b.slot * page_size + row) + ")",
+                  "the page rows an append writes must belong to that entry and row alone");
+        return;
+      }
+    }
+    g = e;
+  }
+}
+
 }  // namespace flash_ext::ops

@@ -63,4 +63,11 @@ void check_pages(ArgChecker& c, int const* table, int64_t width, int64_t batch, 
                  char const* which, std::string const& pages_of,
                  std::function<std::pair<int64_t, int64_t>(int64_t)> const& rows);
 
+// A paged append writes rows [len[i], len[i] + seqlen_new) of each entry i through its pages while every entry
+// reads rows [0, len[i] + seqlen_new).  A page row written as one (entry, row) and read or written as another
+// makes the result depend on the order of the writes: refused.  Pages shared only for reading (a common
+// prefix) are fine.
+void check_paged_append(ArgChecker& c, int const* table, int64_t width, int64_t batch, int64_t page_size,
+                        int const* len, int64_t seqlen_new);
+
 }  // namespace flash_ext::ops

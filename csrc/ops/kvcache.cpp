@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 
@@ -106,8 +107,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   bool const shapes_ok = check_qkv(c, q, k_cache, v_cache, /*varlen=*/false, /*kv_cache=*/true,
                                    /*paged_varlen=*/false, /*any_head_dim=*/true);
   int64_t const b = shapes_ok ? q.size(0) : -1;
-  check_options(c, q, b, shapes_ok ? q.size(2) : -1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                num_splits);
+  check_options(c, q, b, shapes_ok ? q.size(2) : -1, softmax_scale, softcap, alibi_slopes, num_splits);
 
   // New keys/values: both or neither, (batch, seqlen_new, heads_k, d) in the cache's dtype and device.
   bool new_ok = k.has_value() == v.has_value();
@@ -210,11 +210,35 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
       check_pages(c, ix_values.values(s_table), block_table->size(1), b, page_size, k_cache.size(0),
                   "the pages in use", "k_cache's",
                   [&](int64_t i) { return std::pair<int64_t, int64_t>{0, int64_t(len[i]) + seqlen_new}; });
+      check_paged_append(c, ix_values.values(s_table), block_table->size(1), b, page_size, len, seqlen_new);
+    }
+  }
+  if (k.has_value()) {
+    // torch refuses an in-place update of an inference tensor outside inference mode, but only after the op
+    // has run (when it bumps the version counters): the caches would be appended to by a call that raises.
+    for (auto [cache, name] : {std::pair<at::Tensor const&, char const*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
+      c.require(!cache.is_inference() || c10::InferenceMode::is_enabled(), name,
+                "an inference tensor (created under torch.inference_mode()) outside inference mode",
+                "is appended to in place: call under torch.inference_mode(), or through "
+                "flash_ext.flash_attn_with_kvcache, which does");
     }
   }
   c.raise_if_any();
 
-  if (k.has_value()) { append(k_cache, v_cache, *k, *v, cache_seqlens, cache_batch_idx, block_table, page_size); }
+  if (k.has_value()) {
+    // New rows that are a view of a cache would be read while the append writes that cache: copied first,
+    // so the call appends the values they had when it was made.
+    auto unaliased = [&](at::Tensor const& t) {
+      for (at::Tensor const* cache : {&k_cache, &v_cache}) {
+        if (t.storage().is_alias_of(cache->storage()) &&
+            at::get_overlap_status(t, *cache) != at::MemOverlapStatus::No) {
+          return t.clone();
+        }
+      }
+      return t;
+    };
+    append(k_cache, v_cache, unaliased(*k), unaliased(*v), cache_seqlens, cache_batch_idx, block_table, page_size);
+  }
   CacheIndices ix{seqlen_new ? cache_seqlens + int(seqlen_new) : cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, capacity, page_size};
   return attend(q, k_cache, v_cache, ix, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,

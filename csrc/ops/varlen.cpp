@@ -48,8 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
   c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_lengths(c, max_seqlen_q, max_seqlen_k, "max_seqlen_q/max_seqlen_k", shapes_ok ? q.size(0) : 0, num_splits);
-  check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, window_left, window_right, softcap,
-                alibi_slopes, num_splits);
+  check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, softcap, alibi_slopes, num_splits);
   check_dropout(c, q.device(), dropout_p, rng_state);
 
   // Index values: one host read of all of them (on CUDA one copy; trusted while capturing).
