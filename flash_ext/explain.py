@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import _C, _ops  # noqa: F401
-from .interface import _prepare_qkv, _python_arg_errors, _window_size_error
+from .interface import _prepare_qkv, _python_arg_errors, _stand_ins
 from .roofline import Roofline, gpu_spec, predict_plan
 
 __all__ = ["explain", "Explanation"]
@@ -100,12 +100,7 @@ def explain(
     # What flash_attn_func checks in Python first; the plan below is then made with neutral stand-ins for
     # those arguments, so that the op's reasons are listed beside them.
     reasons = _python_arg_errors(dropout_p, window_size, softmax_scale)
-    if any(r.startswith("softmax_scale:") for r in reasons):
-        softmax_scale = None
-    if _window_size_error(window_size) is not None:
-        window_size = (-1, -1)
-    if any(r.startswith("dropout_p:") for r in reasons):
-        dropout_p = 0.0
+    dropout_p, window_size, softmax_scale = _stand_ins(reasons, dropout_p, window_size, softmax_scale)
     q, k, v, softmax_scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
     # The plan is the C++ dispatcher's own decision (the same code the op runs), not a re-derivation.
     plan: dict[str, Any] = _C.plan_fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),

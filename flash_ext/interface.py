@@ -47,6 +47,14 @@ def _check_python_args(dropout_p: float, window_size, softmax_scale=None) -> Non
         raise ValueError("flash_ext: " + "; ".join(errors))
 
 
+def _stand_ins(errors: List[str], dropout_p, window_size, softmax_scale):
+    """Neutral values for the arguments _python_arg_errors refused, so that the op's plan can still list the
+    rest: ``(dropout_p, window_size, softmax_scale)``."""
+    refused = lambda name: any(e.startswith(name + ":") for e in errors)  # noqa: E731
+    return (0.0 if refused("dropout_p") else dropout_p, (-1, -1) if refused("window_size") else window_size,
+            None if refused("softmax_scale") else softmax_scale)
+
+
 def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                     num_splits) -> None:
     """flash_attn_func's Python-side type rules, and when one fails, the op's own rules too (its plan, made
@@ -55,9 +63,7 @@ def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
     if not errors:
         return
-    window = (-1, -1) if _window_size_error(window_size) is not None else window_size
-    p = 0.0 if any(e.startswith("dropout_p:") for e in errors) else dropout_p
-    softmax_scale = None if any(e.startswith("softmax_scale:") for e in errors) else softmax_scale
+    p, window, softmax_scale = _stand_ins(errors, dropout_p, window_size, softmax_scale)
     try:
         q, k, v, scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
         plan = _C.plan_fwd(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),

@@ -91,13 +91,11 @@ std::string set_emulator_test_fault(std::string const& fault);
 bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, bool varlen,
                bool kv_cache = false, bool paged_varlen = false, bool any_head_dim = false);
 
-// Scale, window, softcap, ALiBi and num_splits rules.  batch/heads < 0: not known (shape errors elsewhere).
+// Scale, softcap, ALiBi and num_splits rules (every window is valid: set_semantics normalises it).
+// batch/heads < 0: not known (shape errors elsewhere).
 void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t heads, double softmax_scale,
                    double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits);
 
-// seqlen_q + seqlen_k must leave the kernels' 32-bit row/key arithmetic room (kMaxLengthSum); with forced
-// split-KV the partial accumulators' rows (b * seqlen_q, or total_q) must fit an int too.  `what` names the
-// arguments the lengths come from.
 // Tensors an op writes must not share elements with one another, with themselves (an expand()ed tensor) or
 // with what it reads: the result would depend on the order of the writes.  Decided where torch decides it
 // cheaply (dense tensors, the same tensor twice, stride-0 dimensions); strided views that may interleave
@@ -105,6 +103,9 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
 void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, char const*>> const& written,
                       std::vector<std::pair<at::Tensor const*, char const*>> const& read);
 
+// seqlen_q + seqlen_k must leave the kernels' 32-bit row/key arithmetic room (kMaxLengthSum); with forced
+// split-KV the partial accumulators' rows (b * seqlen_q, or total_q) must fit an int too.  `what` names the
+// arguments the lengths come from.
 void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::string const& what, int64_t rows = 0,
                    int64_t num_splits = 1);
 
