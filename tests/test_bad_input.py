@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import flash_ext
 from flash_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 from conftest import require_device
@@ -102,6 +103,17 @@ def test_several_problems_in_one_error():
         assert f"  - {w}: got" in msg, f"{w!r} missing from:\n{msg}"
     assert f"flash_ext.fwd: {len(expected)} invalid arguments:" in msg, msg
     assert msg.count("\n  - ") == len(expected), msg
+
+
+def test_one_line_per_wrong_value():
+    """A head dim above 256 is not also "not a multiple of 8", a negative max_seqlen_q not also "shorter than the
+    longest sequence": each wrong value gets the one rule it breaks first."""
+    msg = _error(flash_attn_func, *_qkv(d=257))
+    assert msg.count("\n  - ") == 1 and "must be in [1, 256]" in msg, msg
+    q = torch.randn(8, 2, 64)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    msg = _error(flash_ext.flash_attn_varlen_func, q, q, q, cu, cu, -1, 4)
+    assert msg.count("\n  - ") == 1 and "max_seqlen_q: got -1; must be >= 0" in msg, msg
 
 
 def test_several_problems_rank_and_dtype():

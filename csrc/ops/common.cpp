@@ -388,7 +388,7 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   if (!ranks_ok) { return false; }
   int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
   c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
-  if (!any_head_dim) {
+  if (!any_head_dim && d >= 1 && d <= 256) {  // one rule per wrong value: the range above comes first
     c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   }
   // FLASH_EXT_CPU_ISA naming a level this build or CPU cannot run: refused, never replaced by another (an

@@ -99,7 +99,8 @@ void check_cu_seqlens_values(ArgChecker& c, int const* x, int64_t n, char const*
   bool const total_ok = total_exact ? x[n - 1] == total : (x[n - 1] >= 0 && x[n - 1] <= total);
   c.require(total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
             std::string(total_exact ? "must equal " : "must be <= ") + "the number of rows " + std::to_string(total));
-  c.require(longest <= max_seqlen, max_name, std::to_string(max_seqlen),
+  // A negative max_seqlen is its own error (the caller's); one rule per wrong value.
+  c.require(longest <= max_seqlen || max_seqlen < 0, max_name, std::to_string(max_seqlen),
             "must be >= the longest sequence in " + std::string(name) + " (" + std::to_string(longest) + ")");
 }
 
