@@ -476,6 +476,41 @@ def test_paged_append_into_a_page_row_another_entry_uses_is_refused() -> None:
     assert out.shape == q.shape and torch.equal(kc[1, 2], kn[0, 0]) and torch.equal(kc[2, 2], kn[1, 0])
 
 
+def test_paged_append_conflicts_against_a_slot_by_slot_model() -> None:
+    """check_paged_append against the rule written out slot by slot: refused iff a page row that an append
+    writes as (entry i, row r) is also read or written as any other (entry, row).  Random small block tables
+    with shared pages, pages listed twice and appends that cross page boundaries."""
+    gen = torch.Generator().manual_seed(9)
+    page, num_pages, b = 128, 8, 3
+    kc, vc = torch.zeros(num_pages, page, 1, 8), torch.zeros(num_pages, page, 1, 8)
+    q = torch.randn(b, 1, 1, 8)
+    verdicts = set()
+    for case in range(60):
+        if case % 2:  # pages drawn with repeats: shared, and listed twice
+            table = torch.randint(0, num_pages, (b, 2), generator=gen, dtype=torch.int32)
+        else:  # distinct pages, then one entry's first page given to another as its prefix
+            table = torch.randperm(num_pages, generator=gen)[:2 * b].view(b, 2).to(torch.int32)
+            table[case // 2 % b, 0] = table[(case // 2 + 1) % b, 0]
+        new = int(torch.randint(1, 140, (1,), generator=gen))
+        lens = torch.randint(0, 2 * page - new + 1, (b,), generator=gen, dtype=torch.int32)
+        owner = {}  # (page, row) -> the (entry, logical row) pairs that touch it
+        for i in range(b):
+            for r in range(int(lens[i]) + new):
+                owner.setdefault((int(table[i, r // page]), r % page), set()).add((i, r))
+        conflict = any(len(owner[(int(table[i, r // page]), r % page)]) > 1
+                       for i in range(b) for r in range(int(lens[i]), int(lens[i]) + new))
+        kn = torch.randn(b, new, 1, 8)
+        k0, v0 = kc.clone(), vc.clone()
+        if conflict:
+            with pytest.raises(ValueError, match="block_table: got page"):
+                flash_ext.flash_attn_with_kvcache(q, k0, v0, kn, kn, cache_seqlens=lens, block_table=table)
+            assert torch.equal(k0, kc) and torch.equal(v0, vc)
+        else:
+            flash_ext.flash_attn_with_kvcache(q, k0, v0, kn, kn, cache_seqlens=lens, block_table=table)
+        verdicts.add(conflict)
+    assert verdicts == {True, False}
+
+
 def test_kvcache_new_rows_of_another_dtype_are_refused() -> None:
     """New k/v were cast into the cache's dtype before the op's check: a float64 k of 1e6 landed in an fp16
     cache as inf, an int64 v was accepted.  flash_attn refuses both; rotary tables must be floating point."""

@@ -130,23 +130,37 @@ void check_paged_append(ArgChecker& c, int const* table, int64_t width, int64_t 
     int64_t entry, slot;  // which entry, through which column of its table row
     bool write;
   };
+  auto pages_of = [&](int64_t i) {
+    return std::min(width, (int64_t(len[i]) + seqlen_new + page_size - 1) / page_size);
+  };
+  // The written pages first (one or two per entry), so that the reads recorded are only those of pages
+  // somebody writes: a decode step's check stays one pass over the table, however long the caches.
   std::vector<Access> accesses;
   for (int64_t i = 0; i < batch; ++i) {
     int64_t const end = int64_t(len[i]) + seqlen_new;
-    for (int64_t j = 0; j < std::min(width, (end + page_size - 1) / page_size); ++j) {
-      int64_t const base = j * page_size, rows = std::min(page_size, end - base);
+    for (int64_t j = len[i] / page_size; j < pages_of(i); ++j) {
+      int64_t const base = j * page_size;
+      accesses.push_back({table[i * width + j], std::max<int64_t>(len[i] - base, 0), std::min(page_size, end - base),
+                          i, j, true});
+    }
+  }
+  std::vector<int> written;
+  for (Access const& a : accesses) { written.push_back(a.page); }
+  std::sort(written.begin(), written.end());
+  for (int64_t i = 0; i < batch; ++i) {
+    int64_t const end = int64_t(len[i]) + seqlen_new;
+    for (int64_t j = 0; j < pages_of(i); ++j) {
       int const page = table[i * width + j];
-      accesses.push_back({page, 0, rows, i, j, false});
-      int64_t const first_new = std::max<int64_t>(len[i] - base, 0);
-      if (first_new < rows) { accesses.push_back({page, first_new, rows, i, j, true}); }
+      if (std::binary_search(written.begin(), written.end(), page)) {
+        accesses.push_back({page, 0, std::min(page_size, end - j * page_size), i, j, false});
+      }
     }
   }
   std::sort(accesses.begin(), accesses.end(), [](Access const& a, Access const& b) { return a.page < b.page; });
-  for (size_t g = 0; g < accesses.size();) {  // one page at a time; pages nobody writes cost one pass
+  for (size_t g = 0; g < accesses.size();) {  // one written page at a time
     size_t e = g;
-    bool written = false;
-    for (; e < accesses.size() && accesses[e].page == accesses[g].page; ++e) { written |= accesses[e].write; }
-    for (size_t w = g; written && w < e; ++w) {
+    while (e < accesses.size() && accesses[e].page == accesses[g].page) { ++e; }
+    for (size_t w = g; w < e; ++w) {
       if (!accesses[w].write) { continue; }
       for (size_t o = g; o < e; ++o) {
         Access const &a = accesses[w], &b = accesses[o];
