@@ -81,22 +81,22 @@ def make_rising_maxima_qkv(pattern: str, dtype: torch.dtype, device="cpu", sq: i
 
 
 def make_large_score_qkv(dtype: torch.dtype, causal: bool, device="cpu", b: int = 1, sq: int = 16, sk: int = 300,
-                         h: int = 4, d: int = 64):
+                         h: int = 4, hk: int = 4, d: int = 64):
     """q, k, v with huge scores that every dtype and fp32 accumulation hold exactly, and the expected result
     computed from integers (not from a softmax).  q = magnitude * u and k = magnitude * w with u, w in
     {-1, 0, 1}^d, so score(i, j) = magnitude^2 * (u_i . w_j), magnitude 2^15 in fp16 (its largest power of
     two) and 2^40 otherwise: at the default scale 1/8, at least 2^27 apart per unit of the integer dot
     product, so every key below a row's largest dot weighs exp(-2^27) = 0, and the row's output is the mean of
     v over the keys that reach it (ties included); its LSE is that dot * magnitude^2 / 8 + log(count).
-    Returns (q, k, v, out_expected, lse_expected) in float64 on the CPU, out as (b, sq, h, d) and lse as
-    (b, h, sq)."""
+    K/V have hk heads (query head i reads K/V head i // (h / hk)).  Returns (q, k, v, out_expected,
+    lse_expected), the expected values in float64 on the CPU, out as (b, sq, h, d) and lse as (b, h, sq)."""
     assert d == 64, "the scale 1/8 is exact at head dim 64"
     magnitude = 2.0 ** 15 if dtype == torch.float16 else 2.0 ** 40
     u = torch.randint(-1, 2, (b, sq, h, d))
-    w = torch.randint(-1, 2, (b, sk, h, d))
+    w = torch.randint(-1, 2, (b, sk, hk, d))
     w[:, sk // 2] = w[:, sk // 3]  # a tie for some rows at least (the same key twice)
-    v = torch.randn(b, sk, h, d).to(dtype)
-    dots = torch.einsum("bihd,bjhd->bhij", u, w)  # int64, exact
+    v = torch.randn(b, sk, hk, d).to(dtype)
+    dots = torch.einsum("bihd,bjhd->bhij", u, w.repeat_interleave(h // hk, dim=2))  # int64, exact
     visible = torch.ones(sq, sk, dtype=torch.bool)
     if causal:
         visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
@@ -104,7 +104,7 @@ def make_large_score_qkv(dtype: torch.dtype, causal: bool, device="cpu", b: int 
     best = dots.max(dim=-1, keepdim=True).values
     winners = (dots == best).double()  # (b, h, sq, sk)
     count = winners.sum(-1)
-    out = torch.einsum("bhij,bjhd->bihd", winners / count[..., None], v.double())
+    out = torch.einsum("bhij,bjhd->bihd", winners / count[..., None], v.double().repeat_interleave(h // hk, dim=2))
     lse = best[..., 0].double() * magnitude ** 2 / 8 + count.log()
     q, k = ((magnitude * t).to(dtype=dtype, device=device) for t in (u, w))
     return q, k, v.to(device), out, lse

@@ -121,10 +121,10 @@ def test_prefill_kv_tiles_reused(cpu_isa: str, case: str, causal: bool, dtype: t
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_huge_scores_exact(cpu_isa: str, dtype: torch.dtype, causal: bool) -> None:
-    """test_fwd.test_huge_scores_exact on each level's softmax step (the prefill tiles and, with one query row
-    per head group, decode's)."""
-    for sq in (3, 1):
-        q, k, v, out_expected, lse_expected = make_large_score_qkv(dtype, causal, sq=sq)
+    """test_fwd.test_huge_scores_exact on each level's softmax step: the prefill tiles, and decode's few rows
+    (one query row, a head group of 4 run as 4 rows of one K/V head)."""
+    for sq, hk in ((3, 4), (1, 1)):
+        q, k, v, out_expected, lse_expected = make_large_score_qkv(dtype, causal, sq=sq, hk=hk)
         out, lse, _ = flash_ext.flash_attn_func(q, k, v, causal=causal, num_splits=1, return_attn_probs=True)
         check_large_scores(out, lse, out_expected, lse_expected, context=f"{cpu_isa} sq {sq}")
 

@@ -350,11 +350,11 @@ def test_large_scores(device):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda t: DTYPE_NAMES[t])
 def test_huge_scores_exact(device, dtype, causal):
-    """Finite inputs whose scores reach ~2^33 log2 units (attn_check.make_large_score_qkv): the softmax is one-hot
-    (or an exact tie) and the kernels must say so.  Exponentiating x * scale - round(max * scale) gave inf, NaN
-    or LSE = +inf here (the rounding of max * scale is itself hundreds of log2 units at that size).  Unsplit:
-    split-KV partials carry log(sum) inside an fp32 LSE of ~2^30, where it rounds away, so keys tied across
-    splits are weighed by split rather than by count (README, "Numerics")."""
+    """Finite inputs whose scores reach ~2^33 (fp16) to ~2^85 log2 units (attn_check.make_large_score_qkv): the
+    softmax is one-hot (or an exact tie) and the kernels must say so.  Exponentiating x * scale - round(max *
+    scale) gave inf, NaN or LSE = +inf here (the rounding of max * scale is itself hundreds of log2 units or
+    more).  Unsplit: split-KV partials carry log(sum) inside an fp32 LSE that large, where it rounds away, so
+    keys tied across splits are weighed by split rather than by count (README, "Numerics")."""
     device = require_device(device)
     if dtype == torch.float32 and device.type == "cuda":
         pytest.skip("float32 is a CPU dtype")
