@@ -1695,9 +1695,9 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
     for (int n = 0; n < cols; ++n, sn += lds) {
       vf const x = vload(sn);
       // The difference first, then the scale: exact for the maximum (exp2(0) = 1, so a row that saw a key
-      // has sum >= 1) and for scores near it.  x * scale - base * scale as one FMA rounds base * scale, and
-      // once |base * scale| passes ~2^24 that rounding error is whole powers of two (exp2 overflows or the
-      // maximum weighs nothing): large but finite inputs gave inf or NaN.
+      // has sum >= 1) and for scores near it.  x * scale - base * scale as one FMA rounds base * scale by up
+      // to half an ulp, which reaches 1 at 2^24 and overflows exp2 past 2^32 (or the maximum weighs nothing):
+      // large but finite inputs gave inf or NaN.
       vf y = (x - base) * scale;
       if (any_greater(y, limit)) [[unlikely]] {
         vf rest_max = x;
