@@ -128,15 +128,17 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     new_ok = shape_ok;
     seqlen_new = shape_ok ? k->size(1) : 0;
     // Appending writes the caches: a cache whose entries share memory (an expand()ed tensor) or the same
-    // storage passed as both caches would have one append overwrite another, a silently wrong result.
+    // storage passed as both caches would have one append overwrite another, a silently wrong result.  (New
+    // rows that view a cache are copied before the append instead: below.)
+    check_no_overlap(c, {{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}, {});
     for (auto [cache, name] : {std::pair<at::Tensor const&, char const*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
-      c.require(at::has_internal_overlap(cache) != at::MemOverlap::Yes, name,
-                "strides " + str(cache.strides()) + " with overlapping elements",
-                "is appended to in place: must not overlap itself (e.g. not an expand()ed tensor)");
+      // torch refuses an in-place update of an inference tensor outside inference mode, but only after the op
+      // has run (when it bumps the version counters): the caches would be appended to by a call that raises.
+      c.require(!cache.is_inference() || c10::InferenceMode::is_enabled(), name,
+                "an inference tensor (created under torch.inference_mode()) outside inference mode",
+                "is appended to in place: call under torch.inference_mode(), or through "
+                "flash_ext.flash_attn_with_kvcache, which does");
     }
-    at::MemOverlapStatus const kv_overlap = at::get_overlap_status(k_cache, v_cache);
-    c.require(kv_overlap != at::MemOverlapStatus::Full && kv_overlap != at::MemOverlapStatus::Partial, "k_cache/v_cache",
-              "tensors sharing memory", "are both appended to in place: must not overlap each other");
   }
 
   auto index_ok = [&](std::optional<at::Tensor> const& t, char const* name, int64_t rank) {
@@ -211,16 +213,6 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
                   "the pages in use", "k_cache's",
                   [&](int64_t i) { return std::pair<int64_t, int64_t>{0, int64_t(len[i]) + seqlen_new}; });
       check_paged_append(c, ix_values.values(s_table), block_table->size(1), b, page_size, len, seqlen_new);
-    }
-  }
-  if (k.has_value()) {
-    // torch refuses an in-place update of an inference tensor outside inference mode, but only after the op
-    // has run (when it bumps the version counters): the caches would be appended to by a call that raises.
-    for (auto [cache, name] : {std::pair<at::Tensor const&, char const*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
-      c.require(!cache.is_inference() || c10::InferenceMode::is_enabled(), name,
-                "an inference tensor (created under torch.inference_mode()) outside inference mode",
-                "is appended to in place: call under torch.inference_mode(), or through "
-                "flash_ext.flash_attn_with_kvcache, which does");
     }
   }
   c.raise_if_any();
