@@ -115,8 +115,12 @@ void gemm_sr(Acc&, FragA&, FragB const&, SmemA const&, TiledMma const&, CopyA co
 // its array when constructed: free in registers, but on the host a memset of the whole tile in memory (64 KiB
 // for a 128 x 128 S, once per K/V tile; 6% of a bf16 prefill's time on AMX, docs/perf.md).  The body writes
 // every accumulator before reading it: a clear, or on the host an overwriting first GEMM (kZeroS, kZeroAcc).
+// Aligned to a cache line: cute's array is 16-byte aligned, and the stack placed S and O at 48 bytes past a line,
+// so every 64-byte row of an AMX tile and every AVX-512 vector of a column straddled two lines (bf16 prefill
+// on AMX 10-20% less time aligned; docs/perf.md, "host accumulators on cache lines").  Every host tile's rows
+// are a multiple of 16, so its column stride is whole lines (host_acc_column_stride) and each column starts on one.
 template <class T, size_t N>
-struct UninitializedArrayEngine : cute::ArrayEngine<T, N> {
+struct alignas(64) UninitializedArrayEngine : cute::ArrayEngine<T, N> {
   UninitializedArrayEngine() {}  // user-provided: value-initialisation calls it, and it leaves the array as is
 };
 

@@ -3,6 +3,7 @@
 // Sm80Traits::row_allreduce combines); P's accumulator registers re-viewed as an A operand hold exactly the
 // (row, key) coordinates the P.V MMA expects; shared memory fits and matches what the launcher requests.
 // The host traits get the same checks, so the degenerate single-thread instance is held to one standard.
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -145,6 +146,25 @@ void check_traits(const char* name, int smem_limit_bytes) {
   CHECK(Traits::kSmemBytes == expect, "%s: kSmemBytes %d != (M + 2N) * D * sizeof = %d", name, Traits::kSmemBytes, expect);
   CHECK(Traits::kSmemBytes <= smem_limit_bytes, "%s: %d bytes of shared memory exceed the limit %d", name,
         Traits::kSmemBytes, smem_limit_bytes);
+  // 7. Host accumulators (S, O) start on a cache line and their columns stay whole lines apart, so the
+  //    micro-kernels' 64-byte vectors and AMX tile rows never straddle two lines.  A stack object of 16-byte
+  //    alignment (cute's array) ahead of them once put S and O 48 bytes past a line.
+  if constexpr (Traits::kIsHost) {
+    volatile char before[16] = {};
+    auto acc_s = flash_ext::make_acc_fragment<Traits>(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    volatile char between[16] = {};
+    auto acc_o = flash_ext::make_acc_fragment<Traits>(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    CHECK(alignof(decltype(acc_s)) >= 64 && alignof(decltype(acc_o)) >= 64, "%s: host accumulators %zu-byte aligned",
+          name, alignof(decltype(acc_s)));
+    for (auto const* acc : {&acc_s(0), &acc_o(0)}) {
+      CHECK(reinterpret_cast<uintptr_t>(acc) % 64 == 0, "%s: host accumulator at %p, not on a 64-byte line", name,
+            static_cast<void const*>(acc));
+    }
+    int64_t const ld_s = int64_t(stride<2>(acc_s.layout())), ld_o = int64_t(stride<2>(acc_o.layout()));
+    CHECK(ld_s * 4 % 64 == 0 && ld_o * 4 % 64 == 0, "%s: host accumulator column strides %lld, %lld floats", name,
+          (long long)ld_s, (long long)ld_o);
+    (void)before[0], (void)between[0];
+  }
   std::printf("ok %-44s threads=%3d smem=%6d B\n", name, kThreads, Traits::kSmemBytes);
 }
 
