@@ -599,9 +599,12 @@ constexpr int kTileBScratch = 32768;             // bf16 of B's packed rows (64 
 constexpr int kTileAScratch = 32 * 256 / 2;      // uint32 pairs of 32 rows x 256 k (16 KiB)
 constexpr int kTileDepthChunk = 256;             // k packed and multiplied per chunk (A's scratch holds 256)
 
+// The k-pairs of one packed row over depth: whole 32-deep tile steps, the pairs past depth zero.  One
+// definition for every packed form of A (pack_a_tiles, pack_a_all, the softmax step's P) and its size.
+constexpr int tile_pairs(int depth) { return (depth + kTileK - 1) / kTileK * (kTileK / 2); }
 // Bytes of A's packed pairs for all its rows (a multiple of 16) over depth k, split into kPieces (pack_a_all).
 constexpr int64_t packed_a_bytes(int rows, int depth, int pieces) {
-  return int64_t(rows) * ((depth + kTileK - 1) / kTileK * kTileK / 2) * pieces * int64_t(sizeof(uint32_t));
+  return int64_t(rows) * tile_pairs(depth) * pieces * int64_t(sizeof(uint32_t));
 }
 // Whether gemm_tiles multiplies A from a HostPackCache of cache_bytes: its depth in one chunk, its pairs within
 // the cache.  The softmax step leaves P only there when this holds for the P.V (and no column of the P.V is
@@ -871,8 +874,7 @@ void pack_b_split(HostGemmArgs const& g, int n0, int k0, int ncols, int depth, u
 template <int MT, int kPieces = 1>
 void pack_a_tiles(HostGemmArgs const& g, int m0, int k0, int depth, uint32_t* out) {
   constexpr int kRows = MT * 16;
-  int const ksteps = (depth + kTileK - 1) / kTileK;
-  int const pairs = ksteps * kTileK / 2;
+  int const pairs = tile_pairs(depth);
   if constexpr (kPieces > 1) {
     pack_a_split<MT * 16 / kLanes, kPieces>(g, m0, k0, depth, pairs, out);
   } else {
@@ -908,7 +910,7 @@ void tile_rows(HostGemmArgs const& g, int m0, int n0, int k0, int ncols, int dep
 // 32-row blocks first, every block starts there whatever its height.
 template <int kPieces>
 void pack_a_all(HostGemmArgs const& g, int rows, int depth, uint32_t* out) {
-  int const pairs = (depth + kTileK - 1) / kTileK * kTileK / 2 * kPieces;
+  int const pairs = tile_pairs(depth) * kPieces;
   int m0 = 0;
   for (; m0 + 32 <= rows; m0 += 32) { pack_a_tiles<2, kPieces>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
   if (m0 < rows) { pack_a_tiles<1, kPieces>(g, m0, 0, depth, out + int64_t(m0) * pairs); }
@@ -1663,7 +1665,7 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
   // P left as pack_a_all lays out A for the tile GEMM: blocks of 32 rows, then one of 16, each [pair][row].
   // Only where gemm_tiles takes it whole from the cache (tiles_use_packed_a, and O's columns whole tiles, none
   // left to gemm_bf16_dot): S keeps the scores, so the pairs are P's only copy.
-  int const pairs = (cols + kTileK - 1) / kTileK * (kTileK / 2);
+  int const pairs = tile_pairs(cols);
   uint32_t* const p_pairs =
       a.p_pairs != nullptr && tiles_use_packed_a(rows, cols, 1, a.p_pairs->bytes) && o_cols % 16 == 0
           ? static_cast<uint32_t*>(a.p_pairs->data)
