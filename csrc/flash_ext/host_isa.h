@@ -140,12 +140,32 @@ struct HostDropoutArgs {
   uint32_t key0, key1, bh, offset_lo, threshold;
 };
 
+// mask.h's score edits on a whole host tile (HostKernels::mask_scores): s[m + n * lds] for m < rows (a multiple
+// of 16), n < cols, whose first query row and key are row0 and col0.  bias: s -= alibi_slope * |row - key| with
+// row = row0 + m + offset (the row's diagonal, BlockInfo::diagonal), key = col0 + n.  mask: -inf where the key
+// is past seqlen_k, past the diagonal by more than `right` (has_right), or before it by more than `left`
+// (has_left).  The bias comes first, as in ScoreMask::apply.
+struct HostMaskArgs {
+  float* s;
+  int64_t lds;
+  int rows, cols;
+  int row0, col0;
+  int offset;  // seqlen_k - seqlen_q: bottom-right alignment
+  int seqlen_k;
+  bool bias;
+  float alibi_slope;
+  bool mask;
+  bool has_left, has_right;
+  int left, right;
+};
+
 struct HostKernels {
   HostIsa isa;
   char const* name;  // "generic", "avx2", "avx512", "avx512_bf16", "amx_bf16"
   int lanes;         // fp32 lanes of one vector
   void (*gemm)(HostGemmArgs const&);
   void (*softmax_rescale)(HostSoftmaxArgs const&);
+  void (*mask_scores)(HostMaskArgs const&);
   // dst[i] = src[i] rounded to nearest even (NaN stays NaN), i < n; dst has type `to` (kF32: a copy).
   void (*convert)(float const* src, void* dst, HostDType to, int64_t n);
   void (*dropout_keep)(HostDropoutArgs const&);

@@ -337,7 +337,7 @@ CUTE_HOST_DEVICE void compute_dq_dk_dv_1colblock(BwdParams const& params, Flags 
     ScoreMask<WindowCopy<Flags>> const mask{binfo, window,
                                             alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
     bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
-    mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
+    apply_score_mask<Traits>(mask, scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
     // Then dS = P * dp, in place in the dP accumulator (P undropped: the softmax saw every score).
     if constexpr (Traits::kIsHost) {  // both over the whole tile in one pass, by the CPU level's vector exp2
       Traits::probs_and_ds(scores, dp, lse_log2, dsum, /*subtract_d=*/!flags.softcap, params.score_scale_log2);

@@ -181,7 +181,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     {
       ScoreMask<Window<Flags>> const mask{binfo, window,
                                           alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
-      mask.apply(scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
+      apply_score_mask<Traits>(mask, scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
     }
 
     // V(n_block) has landed; every thread is done reading sK, so K(n_block - 1) may overwrite it and

@@ -60,4 +60,18 @@ struct ScoreMask {
   }
 };
 
+// The tile's score edits: ScoreMask::apply over the thread's fragment, element by element (each GPU thread holds
+// a few scores of a row); or, on traits whose one thread holds the whole tile as a column-major fragment (the
+// host), their whole-tile mask_scores, which applies the same rule a column at a time (HostMaskArgs).  row0 and
+// col0 place the tile; coord maps the fragment's (row, col) into it.
+template <class Traits, class W, class Scores, class Coord>
+CUTE_HOST_DEVICE void apply_score_mask(ScoreMask<W> const& mask, Scores& scores, Coord const& coord, int row0, int col0,
+                                       bool apply_bias, bool need_mask) {
+  if constexpr (Traits::kIsHost) {
+    if (apply_bias || need_mask) { Traits::mask_scores(mask, scores, row0, col0, apply_bias, need_mask); }
+  } else {
+    mask.apply(scores, coord, row0, col0, apply_bias, need_mask);
+  }
+}
+
 }  // namespace flash_ext

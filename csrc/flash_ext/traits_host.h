@@ -23,6 +23,7 @@
 
 #include "gemm.h"
 #include "global_memory.h"
+#include "mask.h"
 #include "host_isa.h"
 
 namespace flash_ext {
@@ -590,6 +591,24 @@ struct HostTraits : PlainGlobalMemory {
   // moved per vector of rows rather than per warp, and found in the same pass that exponentiates, so most
   // tiles read S once and leave O alone; finalize() derives the same O and LSE from it, up to rounding.
   // scores (M, N) and acc_o (M, D) are the (row, col) views of column-major fragments.
+  // apply_score_mask's host form: the whole tile at once (HostKernels::mask_scores).  scores (M, N) is the (row,
+  // col) view of the column-major S fragment, whose (i, j) is the tile's (i, j) (test_traits checks it).
+  template <class W, class Scores>
+  static void mask_scores(ScoreMask<W> const& mask, Scores& scores, int row0, int col0, bool bias, bool need_mask) {
+    using namespace cute;
+    static_assert(host_mode_stride(layout<0>(typename Scores::layout_type{})) == 1, "column-major S: rows contiguous");
+    BlockInfo const& binfo = mask.binfo;
+    HostMaskArgs const a{&scores(0, 0),         host_mode_stride(layout<1>(scores)),
+                         int(size<0>(scores)),  int(size<1>(scores)),
+                         row0,                  col0,
+                         binfo.diagonal(0),     binfo.seqlen_k,
+                         bias,                  mask.alibi_slope,
+                         need_mask,             mask.window.has_left(),
+                         mask.window.has_right(), mask.window.left(),
+                         mask.window.right()};
+    host_kernels().mask_scores(a);
+  }
+
   template <class RowState, class Scores, class AccO>
   static void softmax_rescale_o(RowState& row_max, RowState& row_sum, Scores& scores, AccO& acc_o,
                                 float scale_log2, bool first) {

@@ -18,6 +18,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "flash_ext/host_isa.h"
+#include "flash_ext/mask.h"
 #include "flash_ext/softmax.h"
 #include "flash_ext/traits_host.h"
 #include "check.h"
@@ -730,6 +731,81 @@ void check_exp2_rows(HostKernels const& k) {
   std::printf("  exp2_rows: max relative error %.2g, dS exact\n", worst);
 }
 
+// mask_scores against ScoreMask::apply itself (mask.h, the GPU's element-by-element rule it stands in for) on
+// the same tile: causal, local windows on either side or both, windows past any tile, bottom-right alignment
+// (seqlen_q != seqlen_k both ways), keys past seqlen_k, ALiBi with and without a mask.  Hidden scores must be
+// -inf exactly where the rule hides them; the bias may differ by the rounding of one fused multiply-add.
+struct TestWindow {
+  bool l, r;
+  int left_, right_;
+  bool has_left() const { return l; }
+  bool has_right() const { return r; }
+  int left() const { return left_; }
+  int right() const { return right_; }
+};
+
+void check_mask_scores(HostKernels const& k) {
+  using namespace cute;
+  struct Case {
+    int seqlen_q, seqlen_k, row0, col0;
+    TestWindow w;
+    bool bias, mask;
+  };
+  int const big = 2147483000;  // a window side past any tile (int arithmetic near its limit)
+  Case const cases[] = {
+      {300, 300, 128, 128, {false, true, 0, 0}, false, true},     // causal, the diagonal tile
+      {300, 300, 128, 64, {false, true, 0, 0}, false, true},      // causal, left of the diagonal
+      {100, 300, 0, 160, {false, true, 0, 0}, false, true},       // causal, seqlen_q < seqlen_k
+      {300, 100, 128, 32, {false, true, 0, 0}, false, true},      // causal, seqlen_q > seqlen_k: rows see nothing
+      {300, 300, 128, 100, {true, true, 7, 3}, false, true},      // local, both sides
+      {300, 300, 128, 100, {true, false, 20, 0}, false, true},    // left side only
+      {300, 300, 128, 100, {false, true, 0, 25}, false, true},    // right side only
+      {300, 300, 128, 100, {true, true, big, big}, false, true},  // sides past every key
+      {300, 150, 128, 130, {false, false, 0, 0}, false, true},    // keys past seqlen_k only
+      {300, 300, 64, 160, {false, false, 0, 0}, true, false},     // ALiBi only
+      {200, 300, 64, 96, {true, true, 9, 0}, true, true},         // ALiBi and a local causal window
+  };
+  int const rows = 48, cols = 37;
+  int64_t const lds = rows + 16;
+  std::normal_distribution<float> nd;
+  int wrong_hidden = 0, touched = 0;
+  double worst_bias = 0.;
+  for (Case const& c : cases) {
+    FwdParams params{};
+    params.seqlen_q = c.seqlen_q, params.seqlen_k = c.seqlen_k;
+    BlockInfo const binfo(params, 0);
+    ScoreMask<TestWindow> const mask{binfo, c.w, 0.0625f};
+    std::vector<float> got(size_t(lds) * (cols + 1));
+    for (auto& x : got) { x = nd(g_rng) * 8.f; }
+    std::vector<float> want = got;
+    Tensor ref = make_tensor(want.data(), make_layout(make_shape(rows, cols), make_stride(1, lds)));
+    mask.apply(ref, make_identity_tensor(make_shape(rows, cols)), c.row0, c.col0, c.bias, c.mask);
+    std::vector<float> const before = got;
+    HostMaskArgs const a{got.data(), lds, rows, cols, c.row0, c.col0, binfo.diagonal(0), binfo.seqlen_k, c.bias,
+                         mask.alibi_slope, c.mask, c.w.l, c.w.r, c.w.left_, c.w.right_};
+    k.mask_scores(a);
+    for (int n = 0; n <= cols; ++n) {
+      for (int m = 0; m < lds; ++m) {
+        size_t const i = m + size_t(n) * lds;
+        if (n == cols || m >= rows) {
+          touched += std::memcmp(&got[i], &before[i], 4) != 0;
+          continue;
+        }
+        if (std::isinf(want[i]) || std::isinf(got[i])) {
+          wrong_hidden += !(std::isinf(want[i]) && std::isinf(got[i]) && got[i] < 0);
+          continue;
+        }
+        worst_bias = std::max(worst_bias, double(std::fabs(got[i] - want[i])) / (1. + std::fabs(want[i])));
+      }
+    }
+  }
+  CHECK(wrong_hidden == 0 && touched == 0 && worst_bias < 1e-6,
+        "%s mask_scores: %d scores hidden on one side only, %d values outside the tile changed, bias off by %.3g",
+        k.name, wrong_hidden, touched, worst_bias);
+  std::printf("  mask_scores: %zu cases as ScoreMask::apply, bias within %.2g\n", sizeof(cases) / sizeof(cases[0]),
+              worst_bias);
+}
+
 void check_level(HostKernels const& k) {
   std::printf("%s (%d lanes)\n", k.name, k.lanes);
   check_gemms(k);
@@ -741,6 +817,7 @@ void check_level(HostKernels const& k) {
   check_add_rows(k);
   check_rows_to_columns(k);
   check_exp2_rows(k);
+  check_mask_scores(k);
 }
 
 }  // namespace

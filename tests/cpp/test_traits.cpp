@@ -164,6 +164,15 @@ void check_traits(const char* name, int smem_limit_bytes) {
     CHECK(ld_s * 4 % 64 == 0 && ld_o * 4 % 64 == 0, "%s: host accumulator column strides %lld, %lld floats", name,
           (long long)ld_s, (long long)ld_o);
     (void)before[0], (void)between[0];
+    // The host's whole-tile score mask (mask_scores) takes fragment (i, j) as tile (i, j): the coordinates that
+    // ScoreMask::apply reads from the partitioned identity must be that.
+    auto tScS = flash_ext::acc_rowcol<Traits::kAccValCols>(tiled_mma.get_thread_slice(0).partition_C(cS));
+    int off = 0;
+    for (int i = 0; i < int(size<0>(tScS)); ++i) {
+      for (int j = 0; j < int(size<1>(tScS)); ++j) { off += int(get<0>(tScS(i, j))) != i || int(get<1>(tScS(i, j))) != j; }
+    }
+    CHECK(size<0>(tScS) == kBlockM && size<1>(tScS) == kBlockN && off == 0,
+          "%s: the host S fragment's (row, col) view is not the tile's own (%d coordinates differ)", name, off);
   }
   std::printf("ok %-44s threads=%3d smem=%6d B\n", name, kThreads, Traits::kSmemBytes);
 }

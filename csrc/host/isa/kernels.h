@@ -1760,6 +1760,47 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// ScoreMask::apply's edits on a whole column-major tile (HostMaskArgs).  Its rule solved for the row: with
+// diag = row + offset, a key col is hidden right of the diagonal where col > diag + right, i.e. row < col - offset
+// - right, and left of it where col < diag - left, i.e. row > col - offset + left.  So in each column (rows
+// contiguous) the hidden scores are a prefix and a suffix of the rows, or all of them past seqlen_k: filled, not
+// tested score by score (the element-wise rule on the host was a quarter of a causal prefill's time, its
+// coordinates and window flags worked out per score; docs/perf.md).  The bias is |row - key| per score, as
+// exact integers converted to fp32 as ScoreMask converts them.
+void mask_scores(HostMaskArgs const& a) {
+  int const rows = a.rows;
+  vi lane;
+  for (int l = 0; l < kLanes; ++l) { lane[l] = l; }
+  vf const slope = vsplat(a.alibi_slope);
+  float const neg_inf = -__builtin_inff();
+  for (int n = 0; n < a.cols; ++n) {
+    float* const s = a.s + int64_t(n) * a.lds;
+    int64_t const col = int64_t(a.col0) + n;
+    if (a.bias) {  // row - key of the column's first row; |row - key| < 2^31 (both are below 2^31)
+      int const first = int(int64_t(a.row0) + a.offset - col);
+      for (int m0 = 0; m0 < rows; m0 += kLanes) {
+        vi const d = lane + (first + m0);
+        vf const distance = __builtin_convertvector(d < 0 ? -d : d, vf);
+        vstore(s + m0, vload(s + m0) - slope * distance);
+      }
+    }
+    if (!a.mask) { continue; }
+    // Visible rows [lo, hi) of this column, in 64 bits: a window side may be any int.
+    int64_t lo = 0, hi = rows;
+    if (col >= a.seqlen_k) {
+      hi = 0;
+    } else {
+      if (a.has_right) { lo = col - a.offset - a.right - a.row0; }
+      if (a.has_left) { hi = col - a.offset + a.left + 1 - a.row0; }
+    }
+    lo = lo < 0 ? 0 : lo > rows ? rows : lo;
+    hi = hi < 0 ? 0 : hi > rows ? rows : hi;
+    for (int64_t m = 0; m < lo; ++m) { s[m] = neg_inf; }  // hi <= lo: these two cover every row
+    for (int64_t m = hi; m < rows; ++m) { s[m] = neg_inf; }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 void convert(float const* src, void* dst, HostDType to, int64_t n) {
   int64_t i = 0;
   if (to == HostDType::kF32) {
@@ -2016,7 +2057,7 @@ void dropout_apply(float* p, int64_t ldp, int rows, int cols, int live_rows, uin
 }
 
 constexpr HostKernels kKernels{kIsa,          kName,          kLanes,          &gemm,
-                               &softmax_rescale, &convert,     &dropout_keep,   &dropout_apply,
+                               &softmax_rescale, &mask_scores, &convert,     &dropout_keep,   &dropout_apply,
                                &store_rows,   &add_rows,      &rows_to_columns, &exp2_rows,
                                FLASH_EXT_ISA_HAS_TILES != 0, FLASH_EXT_ISA_HAS_TILES != 0,
                                FLASH_EXT_ISA_HAS_TILES != 0};
