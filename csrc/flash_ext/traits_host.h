@@ -586,11 +586,6 @@ struct HostTraits : PlainGlobalMemory {
   static float row_allreduce(float x, Op) { return x; }
   static bool warp_any(bool p) { return p; }  // a CTA of one thread is its own warp
 
-  // OnlineSoftmax::rescale_o (softmax.h) for a whole tile, by the level's softmax micro-kernel, which
-  // performs its per-row steps on vectors of rows (host_isa.h, HostSoftmaxArgs): the same lagging reference,
-  // moved per vector of rows rather than per warp, and found in the same pass that exponentiates, so most
-  // tiles read S once and leave O alone; finalize() derives the same O and LSE from it, up to rounding.
-  // scores (M, N) and acc_o (M, D) are the (row, col) views of column-major fragments.
   // apply_score_mask's host form: the whole tile at once (HostKernels::mask_scores).  scores (M, N) is the (row,
   // col) view of the column-major S fragment, whose (i, j) is the tile's (i, j) (test_traits checks it).
   template <class W, class Scores>
@@ -609,6 +604,11 @@ struct HostTraits : PlainGlobalMemory {
     host_kernels().mask_scores(a);
   }
 
+  // OnlineSoftmax::rescale_o (softmax.h) for a whole tile, by the level's softmax micro-kernel, which
+  // performs its per-row steps on vectors of rows (host_isa.h, HostSoftmaxArgs): the same lagging reference,
+  // moved per vector of rows rather than per warp, and found in the same pass that exponentiates, so most
+  // tiles read S once and leave O alone; finalize() derives the same O and LSE from it, up to rounding.
+  // scores (M, N) and acc_o (M, D) are the (row, col) views of column-major fragments.
   template <class RowState, class Scores, class AccO>
   static void softmax_rescale_o(RowState& row_max, RowState& row_sum, Scores& scores, AccO& acc_o,
                                 float scale_log2, bool first) {

@@ -1776,7 +1776,7 @@ void mask_scores(HostMaskArgs const& a) {
   for (int n = 0; n < a.cols; ++n) {
     float* const s = a.s + int64_t(n) * a.lds;
     int64_t const col = int64_t(a.col0) + n;
-    if (a.bias) {  // row - key of the column's first row; |row - key| < 2^31 (both are below 2^31)
+    if (a.bias) {  // the first row's diagonal minus the key, in int as ScoreMask::apply computes it
       int const first = int(int64_t(a.row0) + a.offset - col);
       for (int m0 = 0; m0 < rows; m0 += kLanes) {
         vi const d = lane + (first + m0);
