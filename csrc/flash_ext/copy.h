@@ -20,6 +20,8 @@ CUTE_HOST_DEVICE void copy_tile(TiledCopy const& tiled_copy, Src const& S, Dst& 
   CUTE_STATIC_ASSERT_V(size<2>(S) == size<2>(D));
   if constexpr (Traits::kIsHost) {  // the CPU may leave a whole K/V tile where it is (traits_host.h)
     if (Traits::read_in_place(S, D, even_k && get<0>(identity(0, size<1>(S) - 1, 0)) < max_row)) { return; }
+    // or clear a tile with missing rows at once, where its rows are strided (Q's, traits_host.h)
+    if (!even_mn && clear_oob && Traits::clear_tile_if_rows_strided(D)) { clear_oob = false; }
   }
   if (even_mn && even_k) {
     copy(tiled_copy, S, D);

@@ -77,15 +77,18 @@ CUTE_HOST_DEVICE void write_partial(FwdParams const& params, BlockInfo const& bi
       }
     }
   } else {
+    // d read once: the float stores may alias params as far as the compiler knows (-fno-strict-aliasing), and
+    // it reloaded params.d for every column's predicate.
+    int const d = params.d;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(acc_o_rc); ++i) {
       int const row = m_block * kBlockM + get<0>(taccOcO(i, 0));
       if (row >= binfo.seqlen_q) { continue; }
-      float* const orow = params.oaccum_ptr + (split_base + binfo.accum_row(params, bidb, row)) * params.d;
+      float* const orow = params.oaccum_ptr + (split_base + binfo.accum_row(params, bidb, row)) * d;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(acc_o_rc); ++j) {
         int const col = get<1>(taccOcO(i, j));
-        if (params.d == kHeadDim || col < params.d) { Traits::store_global(orow + col, acc_o_rc(i, j)); }
+        if (d == kHeadDim || col < d) { Traits::store_global(orow + col, acc_o_rc(i, j)); }
       }
     }
   }
