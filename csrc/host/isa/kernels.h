@@ -1194,6 +1194,27 @@ constexpr int small_keys() {
   return kLanes / R;
 }
 
+// bf16 B on a level without bf16 products (avx2, avx512, generic), few rows: B taken as 32-bit words, each the
+// bf16 pair of elements 2i and 2i + 1.  Masking off a word's low half leaves element 2i + 1 in fp32, shifting
+// it up by 16 gives element 2i: one load and two integer operations per 2 kLanes values, where load_bf16
+// spends a widening shuffle and a shift per kLanes (on AVX2 both share a port with the FMAs).  The vectors
+// then hold the even- and the odd-indexed elements, which both orientations below take into account.
+FLASH_EXT_INLINE void load_bf16_pairs(uint16_t const* p, vf& even, vf& odd) {
+  vu w;
+  __builtin_memcpy(&w, p, sizeof(w));
+  even = (vf)(w << 16);
+  odd = (vf)(w & 0xffff0000u);
+}
+
+// Keys per block of small_pair_dots_block.  Two or more rows: R x NK accumulators filling kAccRegs (12 on
+// AVX2 at R = 4, against small_keys' 8): 4 rows' Q.K^T 0.90x the time on Zen 3 (bench/host_gemm.cpp, bf16,
+// d = 128).  One row keeps small_keys' kLanes keys: 12 measured 1.10x the time there.
+template <int R>
+constexpr int small_pair_keys() {
+  static_assert(R >= 1 && R <= kSmallRows);
+  return R == 1 || kAccRegs / R < small_keys<R>() ? small_keys<R>() : kAccRegs / R;
+}
+
 // The lanes' sum, halving the vector each step (lane i + lane i + n/2, ...).  Through an array rather
 // than __builtin_shufflevector, which GCC has only from version 12; the code generated is as fast here.
 template <class V>
@@ -1218,23 +1239,31 @@ FLASH_EXT_INLINE vf vsum_each(vf const* v) {
 }
 #endif
 
-// C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK (R * NK <= kLanes): all of them in one
-// vsum_each, key-major (slot j * R + m), so that each key's R rows come out as one run of C's column.
+// C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK: kLanes of them per vsum_each, key-major (slot
+// j * R + m), so that each key's R rows come out as one run of C's column.
 template <int R, int NK>
 FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK]) {
-  static_assert(R * NK <= kLanes);
-  vf slots[kLanes];
+  constexpr int kSlots = R * NK;
+#pragma GCC unroll 4
+  for (int s0 = 0; s0 < kSlots; s0 += kLanes) {
+    vf slots[kLanes];
 #pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) { slots[i] = i < R * NK ? acc[i % R][i / R] : vf{}; }
-  alignas(64) float sums[kLanes];
-  vstore(sums, vsum_each(slots));
+    for (int i = 0; i < kLanes; ++i) { slots[i] = s0 + i < kSlots ? acc[(s0 + i) % R][(s0 + i) / R] : vf{}; }
+    alignas(64) float sums[kLanes];
+    vstore(sums, vsum_each(slots));
+    if constexpr (kLanes % R == 0) {  // whole keys per vector: a run of R floats at a time (a vector add where R is 4 or 8)
 #pragma GCC unroll 16
-  for (int j = 0; j < NK; ++j) {  // a run of R floats at a time (a vector add where R is 4 or 8)
-    float run[R];
-    __builtin_memcpy(run, c + j * ldc, sizeof(run));
+      for (int j = s0 / R; j < (s0 + kLanes) / R && j < NK; ++j) {
+        float run[R];
+        __builtin_memcpy(run, c + j * ldc, sizeof(run));
 #pragma GCC unroll 8
-    for (int m = 0; m < R; ++m) { run[m] += sums[j * R + m]; }
-    __builtin_memcpy(c + j * ldc, run, sizeof(run));
+        for (int m = 0; m < R; ++m) { run[m] += sums[j * R + m - s0]; }
+        __builtin_memcpy(c + j * ldc, run, sizeof(run));
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes && s0 + i < kSlots; ++i) { c[(s0 + i) / R * ldc + (s0 + i) % R] += sums[i]; }
+    }
   }
 }
 
@@ -1318,11 +1347,142 @@ void small_dots_cols(HostGemmArgs const& g, float const* at, int n0, int k0, int
   }
 }
 
+// small_rows_block for bf16 B, CP pairs of vectors (2 kLanes columns each) along C's row: per B row, one
+// load_bf16_pairs per 2 kLanes columns, the even columns accumulated in acc_e and the odd ones in acc_o.  Per
+// output the same fused multiply-adds in the same order as small_rows_block (and as the blocks above).
+template <int R, int CP>
+FLASH_EXT_INLINE void small_pair_rows_block(HostGemmArgs const& g, int n0) {
+  float const* a = static_cast<float const*>(g.a);
+  uint16_t const* b = static_cast<uint16_t const*>(g.b) + n0;
+  float* c = g.c + int64_t(n0) * g.ldc;
+  vf acc_e[R][CP], acc_o[R][CP];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 8
+    for (int v = 0; v < CP; ++v) {
+      alignas(64) float e[kLanes], o[kLanes];
+      float const* cv = c + m + int64_t(v) * 2 * kLanes * g.ldc;
+      for (int i = 0; i < kLanes; ++i) { e[i] = cv[2 * i * g.ldc], o[i] = cv[(2 * i + 1) * g.ldc]; }
+      acc_e[m][v] = vload(e), acc_o[m][v] = vload(o);
+    }
+  }
+  for (int k = 0; k < g.depth; ++k) {
+    vf av[R];
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) { av[m] = vsplat(a[m * g.a_ms + k * g.a_ks]); }
+#pragma GCC unroll 8
+    for (int v = 0; v < CP; ++v) {
+      vf be, bo;
+      load_bf16_pairs(b + int64_t(k) * g.b_ks + v * 2 * kLanes, be, bo);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        acc_e[m][v] = vfma(av[m], be, acc_e[m][v]);
+        acc_o[m][v] = vfma(av[m], bo, acc_o[m][v]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 8
+    for (int v = 0; v < CP; ++v) {
+      alignas(64) float e[kLanes], o[kLanes];
+      vstore(e, acc_e[m][v]), vstore(o, acc_o[m][v]);
+      float* cv = c + m + int64_t(v) * 2 * kLanes * g.ldc;
+      for (int i = 0; i < kLanes; ++i) { cv[2 * i * g.ldc] = e[i], cv[(2 * i + 1) * g.ldc] = o[i]; }
+    }
+  }
+}
+
+template <int R, int CP>
+void small_pair_rows_cols(HostGemmArgs const& g, int n0, int n_end) {
+  int n = n0;
+  for (; n + CP * 2 * kLanes <= n_end; n += CP * 2 * kLanes) { small_pair_rows_block<R, CP>(g, n); }
+  if constexpr (CP > 1) {
+    if (n < n_end) { small_pair_rows_cols<R, 1>(g, n, n_end); }
+  }
+}
+
+// small_dots_block for bf16 B (K rows, contiguous along depth), depth a multiple of 2 kLanes: A's rows
+// transposed into `at` with each 2 kLanes of depth as its kLanes even-indexed values, then its kLanes odd ones
+// (pair_order), so that they meet B's even and odd vectors from load_bf16_pairs.  Each key's 2 kLanes words
+// are loaded once and used by the R rows twice.  Lane i of an accumulator sums the products of depth 2i and
+// 2i + 1 of every 2 kLanes (small_dots_block's: depth i of every kLanes): the same products, another order.
+FLASH_EXT_INLINE int pair_order(int k) {  // where depth k of a transposed A row goes
+  int const group = k / (2 * kLanes), r = k % (2 * kLanes);
+  return group * 2 * kLanes + (r % 2) * kLanes + r / 2;
+}
+// A's R rows, depth values from a, into at[m * depth + k] (pairs: at pair_order(k)).  A column-major A whose
+// columns are at least a vector apart (the body's Q fragment: 16 rows or more, rows contiguous) goes kLanes
+// columns at a time through vtranspose: the columns k0 + step * i (step 2 for pairs: a group's even or odd
+// ones) as its input vectors, row m's kLanes values as its output m.  A vector read from a column may run
+// past row R into the next column, never past the last column: the group holding it goes element by element,
+// as every A did before (that was ~15% of a 4-row Q.K^T's time on AVX2, bf16, d = 128).
+template <int R>
+FLASH_EXT_INLINE void transpose_small_a(HostGemmArgs const& g, float const* a, int depth, bool pairs, float* at) {
+  int k_vec = 0;  // depth transposed by vectors: whole groups of 2 kLanes, the last column's group excluded
+  if (g.a_ms == 1 && g.a_ks >= kLanes && depth % (2 * kLanes) == 0) { k_vec = depth - 2 * kLanes; }
+  int const step = pairs ? 2 : 1;
+  for (int k = 0; k < k_vec; k += 2 * kLanes) {
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {  // pairs: the even columns, then the odd ones; else k, then k + kLanes
+      int const first = k + (pairs ? half : half * kLanes);
+      vu in[kLanes], out[kLanes];
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) { __builtin_memcpy(&in[i], a + int64_t(first + step * i) * g.a_ks, sizeof(vu)); }
+      vtranspose(in, out);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) { __builtin_memcpy(at + m * depth + k + half * kLanes, &out[m], sizeof(vu)); }
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    for (int k = k_vec; k < depth; ++k) { at[m * depth + (pairs ? pair_order(k) : k)] = a[m * g.a_ms + int64_t(k) * g.a_ks]; }
+  }
+}
+
+template <int R, int NK>
+FLASH_EXT_INLINE void small_pair_dots_block(HostGemmArgs const& g, float const* at, int n0, int k0, int depth) {
+  vf acc[R][NK];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
+  }
+  uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
+  for (int k = 0; k < depth; k += 2 * kLanes) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) {  // key by key: two B vectors live beside the accumulators, A read from `at` (L1)
+      vf be, bo;
+      load_bf16_pairs(b + int64_t(j) * g.b_ns + k, be, bo);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        acc[m][j] = vfma(vload(at + m * depth + k + kLanes), bo, vfma(vload(at + m * depth + k), be, acc[m][j]));
+      }
+    }
+  }
+  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc);
+}
+
+template <int R, int NK>
+void small_pair_dots_cols(HostGemmArgs const& g, float const* at, int n0, int k0, int depth) {
+  int n = n0;
+  for (; n + NK <= g.cols; n += NK) { small_pair_dots_block<R, NK>(g, at, n, k0, depth); }
+  if constexpr (NK > 1) {
+    if (n < g.cols) { small_pair_dots_cols<R, 1>(g, at, n, k0, depth); }
+  }
+}
+
 template <int R, HostDType kB>
 void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
   if (cols_contiguous) {
     int const n_vec = g.cols / kLanes * kLanes;
-    small_rows_cols<R, small_col_vectors<R>(), kB>(g, 0, n_vec);
+    if constexpr (kB == HostDType::kBF16) {  // pairs of vectors first, then a single vector's columns
+      constexpr int CP = small_col_vectors<R>() / 2 < 1 ? 1 : small_col_vectors<R>() / 2;
+      int const n_pair = g.cols / (2 * kLanes) * (2 * kLanes);
+      small_pair_rows_cols<R, CP>(g, 0, n_pair);
+      small_rows_cols<R, 1, kB>(g, n_pair, n_vec);
+    } else {
+      small_rows_cols<R, small_col_vectors<R>(), kB>(g, 0, n_vec);
+    }
     if (n_vec < g.cols) {  // the last few columns, by the blocks
       HostGemmArgs rest = g;
       rest.c += int64_t(n_vec) * g.ldc;
@@ -1336,8 +1496,14 @@ void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
   alignas(64) float at[R * kSmallDepth];
   for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth) {
     int const depth = g.depth - k0 < kSmallDepth ? g.depth - k0 : kSmallDepth;
-    for (int m = 0; m < R; ++m) {
-      for (int k = 0; k < depth; ++k) { at[m * depth + k] = a[m * g.a_ms + int64_t(k0 + k) * g.a_ks]; }
+    // bf16 K by pairs where the chunk is whole groups of 2 kLanes (every head dim the op compiles; kSmallDepth is one)
+    bool const pairs = kB == HostDType::kBF16 && depth % (2 * kLanes) == 0;
+    transpose_small_a<R>(g, a + int64_t(k0) * g.a_ks, depth, pairs, at);
+    if constexpr (kB == HostDType::kBF16) {
+      if (pairs) {
+        small_pair_dots_cols<R, small_pair_keys<R>()>(g, at, 0, k0, depth);
+        continue;
+      }
     }
     small_dots_cols<R, small_keys<R>(), kB>(g, at, 0, k0, depth);
   }
