@@ -5,7 +5,9 @@
 // packing and the chunking of the AVX-512 kernels, and the level's instruction hooks (exp2 by round and
 // scale, pairs by a rounding conversion) as the instructions define them; what it cannot check is the
 // AVX-512 instructions themselves.  Compiled a second time with FLASH_EXT_EMULATE_TILES
-// (host_isa_emulated_amx.cpp) as the AMX-BF16 level, tiles emulated too.  Not part of the extension.
+// (host_isa_emulated_amx.cpp) as the AMX-BF16 level, tiles emulated too, and a third time with
+// FLASH_EXT_EMULATE_NO_BF16_DOT (host_isa_emulated_avx512.cpp) as the plain AVX-512 level, whose bf16 operands
+// are widened to fp32 instead (its few-rows pair paths).  Not part of the extension.
 #if defined(__x86_64__)
 #define FLASH_EXT_ISA_TARGET "avx2,fma,f16c"
 #include "isa/target_begin.h"
@@ -27,6 +29,9 @@ namespace {
 #if FLASH_EXT_EMULATE_TILES
 constexpr HostIsa kIsa = HostIsa::kAmxBf16;
 constexpr char const* kName = "amx_bf16 (emulated on avx2)";
+#elif FLASH_EXT_EMULATE_NO_BF16_DOT
+constexpr HostIsa kIsa = HostIsa::kAvx512;
+constexpr char const* kName = "avx512 (emulated on avx2)";
 #else
 constexpr HostIsa kIsa = HostIsa::kAvx512Bf16;
 constexpr char const* kName = "avx512_bf16 (emulated on avx2)";
@@ -211,12 +216,18 @@ inline void tile_zero(int t) {
 }  // namespace
 }  // namespace flash_ext
 
+#if FLASH_EXT_EMULATE_NO_BF16_DOT
+#define FLASH_EXT_ISA_BF16_DOT 0
+#else
 #define FLASH_EXT_ISA_BF16_DOT 1
+#endif
 #include "isa/kernels.h"
 
 namespace flash_ext {
 #if FLASH_EXT_EMULATE_TILES
 HostKernels const* host_kernels_amx_emulated() { return &kKernels; }
+#elif FLASH_EXT_EMULATE_NO_BF16_DOT
+HostKernels const* host_kernels_avx512_plain_emulated() { return &kKernels; }
 #else
 HostKernels const* host_kernels_avx512_emulated() { return &kKernels; }
 #endif

@@ -26,6 +26,7 @@
 namespace flash_ext {
 HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
 HostKernels const* host_kernels_amx_emulated();     // tests/cpp/host_isa_emulated_amx.cpp (x86-64 only)
+HostKernels const* host_kernels_avx512_plain_emulated();  // tests/cpp/host_isa_emulated_avx512.cpp (x86-64 only)
 }
 
 using namespace flash_ext;
@@ -837,8 +838,9 @@ int main() {
   if (host_isa_supported(HostIsa::kAvx2)) {
     check_level(*host_kernels_avx512_emulated());
     check_level(*host_kernels_amx_emulated());
+    check_level(*host_kernels_avx512_plain_emulated());
   } else {
-    std::printf("avx512 and amx emulated on avx2: skipped (this CPU lacks avx2)\n");
+    std::printf("avx512, avx512_bf16 and amx emulated on avx2: skipped (this CPU lacks avx2)\n");
   }
 #endif
   return check_summary();
