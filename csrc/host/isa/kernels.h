@@ -1239,6 +1239,15 @@ FLASH_EXT_INLINE vf vsum_each(vf const* v) {
 }
 #endif
 
+template <int R, int NK>
+FLASH_EXT_INLINE void zero_accumulators(vf (&acc)[R][NK]) {
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
+  }
+}
+
 // C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK: kLanes of them per vsum_each, key-major (slot
 // j * R + m), so that each key's R rows come out as one run of C's column.
 template <int R, int NK>
@@ -1318,11 +1327,7 @@ void small_rows_cols(HostGemmArgs const& g, int n0, int n_end) {
 template <int R, int NK, HostDType kB>
 FLASH_EXT_INLINE void small_dots_block(HostGemmArgs const& g, float const* at, int n0, int k0, int depth) {
   vf acc[R][NK];
-#pragma GCC unroll 8
-  for (int m = 0; m < R; ++m) {
-#pragma GCC unroll 16
-    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
-  }
+  zero_accumulators(acc);
   void const* b = offset(g.b, int64_t(n0) * g.b_ns + k0, kB);
   for (int k = 0; k < depth; k += kLanes) {
     vf av[R];
@@ -1442,11 +1447,7 @@ FLASH_EXT_INLINE void transpose_small_a(HostGemmArgs const& g, float const* a, i
 template <int R, int NK>
 FLASH_EXT_INLINE void small_pair_dots_block(HostGemmArgs const& g, float const* at, int n0, int k0, int depth) {
   vf acc[R][NK];
-#pragma GCC unroll 8
-  for (int m = 0; m < R; ++m) {
-#pragma GCC unroll 16
-    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
-  }
+  zero_accumulators(acc);
   uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
   for (int k = 0; k < depth; k += 2 * kLanes) {
 #pragma GCC unroll 16
@@ -1561,11 +1562,7 @@ template <int R, int NK>
 FLASH_EXT_INLINE void small_bf16_dots_block(HostGemmArgs const& g, uint32_t const* ap, int pairs, int n0, int k0,
                                             int depth) {
   vf acc[R][NK];
-#pragma GCC unroll 8
-  for (int m = 0; m < R; ++m) {
-#pragma GCC unroll 16
-    for (int j = 0; j < NK; ++j) { acc[m][j] = vf{}; }
-  }
+  zero_accumulators(acc);
   uint16_t const* b = static_cast<uint16_t const*>(g.b) + int64_t(n0) * g.b_ns + k0;
   int const whole = depth / (2 * kLanes) * kLanes;  // pairs in whole vectors of B
   auto step = [&](int q, auto&& b_pairs) {
