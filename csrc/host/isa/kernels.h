@@ -1197,8 +1197,8 @@ constexpr int small_keys() {
 // bf16 B on a level without bf16 products (avx2, avx512, generic), few rows: B taken as 32-bit words, each the
 // bf16 pair of elements 2i and 2i + 1.  Masking off a word's low half leaves element 2i + 1 in fp32, shifting
 // it up by 16 gives element 2i: one load and two integer operations per 2 kLanes values, where load_bf16
-// spends a widening shuffle and a shift per kLanes (on AVX2 both share a port with the FMAs).  The vectors
-// then hold the even- and the odd-indexed elements, which both orientations below take into account.
+// spends a widening shuffle and a shift per kLanes.  The vectors then hold the even- and the odd-indexed
+// elements, which both orientations below take into account.
 FLASH_EXT_INLINE void load_bf16_pairs(uint16_t const* p, vf& even, vf& odd) {
   vu w;
   __builtin_memcpy(&w, p, sizeof(w));
