@@ -5,9 +5,10 @@
 //   cmake --build build/cpp-tests --target bench_host_gemm && ./build/cpp-tests/bench_host_gemm [iters [tiles]]
 //
 // Per level this CPU runs, per operand type and head dim: the forward's two GEMMs on one host tile with the
-// layouts traits_host.h gives them (S = Q.K^T: Q column-major fp32 as the body's Q fragment holds it, its values
-// those of the element type, K row-major in the element type, S overwritten;
-// O += P.V: P column-major fp32, V row-major, O accumulated), the tile's key count as launch_host.h picks it
+// layouts the body gives them on a staging level (S = Q.K^T: Q column-major fp32 as the body's padded Q fragment
+// holds it, its values those of the element type, K row-major in the element type, S overwritten;
+// O += P.V: P column-major fp32, V row-major, O accumulated; fp32 K/V rows padded as the K/V mirror pads them,
+// gemm.h), the tile's key count as launch_host.h picks it
 // (128 for bf16, 64 otherwise); then a decode step's tile (16 rows of which 1, 4 or 8 are live, 128 keys,
 // d = 128: the few-rows paths), Q.K^T and P.V timed apart.  `tiles` (default 1) K/V tiles are used in turn, one per call: with 1 the
 // operands stay in cache (an upper bound for the micro-kernel inside a call); 16 is a 2048-key sequence's K
@@ -132,23 +133,29 @@ int main(int argc, char** argv) {
       for (int d : {64, 128}) {
         int const M = 128, N = t == HostDType::kBF16 ? 128 : 64;
         Operand const q = random_operand(size_t(M) * d, t);
+        // K and V rows as a prefill call's staging levels read them: fp32 from the K/V mirror, whose rows are
+        // padded (gemm.h: host_mirror_row_elems), 16-bit dense (widened by the GEMMs into their own scratch).
+        int64_t const kv_ld = flash_ext::host_mirror_row_elems(d, t == HostDType::kF32 ? 4 : 2);
         std::vector<Operand> ks, vs;
         for (int i = 0; i < tiles; ++i) {
-          ks.push_back(random_operand(size_t(N) * d, t));
-          vs.push_back(random_operand(size_t(N) * d, t));
+          ks.push_back(random_operand(size_t(N) * kv_ld, t));
+          vs.push_back(random_operand(size_t(N) * kv_ld, t));
         }
         Operand const& kk = ks[0];
-        // S and O with the body's padded column stride (gemm.h); Q column-major dense, as its fragment is.
+        // S, O and the Q fragment with the body's padded column stride (gemm.h: make_acc_fragment, make_a_fragment).
         int const ld = flash_ext::host_acc_column_stride(M);
-        std::vector<float> s(size_t(ld) * N), o(size_t(ld) * d, 0.f);
-        // S(m, n) = s[m + n * ld]; Q(m, k) = q[m + k * M]; K(n, k) = kk[n * d + k]; V(n, j) = v[n * d + j].
-        HostGemmArgs const qk{s.data(), ld, q.full.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, M, N, d, true};
+        std::vector<float> s(size_t(ld) * N), o(size_t(ld) * d, 0.f), qf(size_t(ld) * d);
+        for (int c = 0; c < d; ++c) {
+          for (int m = 0; m < M; ++m) { qf[m + size_t(c) * ld] = q.full[m + size_t(c) * M]; }
+        }
+        // S(m, n) = s[m + n * ld]; Q(m, k) = qf[m + k * ld]; K(n, k) = kk[n * kv_ld + k]; V(n, j) = v[n * kv_ld + j].
+        HostGemmArgs const qk{s.data(), ld, qf.data(), HostDType::kF32, 1, ld, kk.data(t), t, kv_ld, 1, M, N, d, true};
         k.gemm(qk);
         double err = 0.0;
         for (int m = 0; m < M; m += 13) {
           for (int n = 0; n < N; n += 7) {
             double ref = 0.0;
-            for (int c = 0; c < d; ++c) { ref += double(q.full[m + size_t(c) * M]) * kk.full[size_t(n) * d + c]; }
+            for (int c = 0; c < d; ++c) { ref += double(q.full[m + size_t(c) * M]) * kk.full[size_t(n) * kv_ld + c]; }
             err = std::fmax(err, std::fabs(ref - s[m + size_t(n) * ld]));
           }
         }
@@ -162,7 +169,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < tiles; ++i) {
           qks.push_back(qk);
           qks.back().b = ks[i].data(t);
-          pvs.push_back({o.data(), ld, s.data(), HostDType::kF32, 1, ld, vs[i].data(t), t, 1, d, M, d, N, false});
+          pvs.push_back({o.data(), ld, s.data(), HostDType::kF32, 1, ld, vs[i].data(t), t, 1, kv_ld, M, d, N, false});
         }
         int next = 0;
         double const flops = 2.0 * M * N * d * iters;

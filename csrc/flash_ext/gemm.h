@@ -132,6 +132,41 @@ struct alignas(64) UninitializedArrayEngine : cute::ArrayEngine<T, N> {
 constexpr int host_acc_column_stride(int rows) { return rows % 16 == 0 && rows >= 64 ? rows + 16 : rows; }
 static_assert(host_acc_column_stride(128) * 4 / 64 % 2 == 1 && host_acc_column_stride(64) * 4 / 64 % 2 == 1);
 
+// Elements from one row of a mirrored K/V tile (traits_host.h: host_mirror_tile) to the next.  fp32 rows are
+// read in place by the GEMMs' broadcasts, and P.V walks one line of each of V's rows per step over k: rows of
+// an even number of 64-byte lines (d = 64, 128) put those lines into half of L1's sets or fewer, where they
+// evicted each other before the next column block came back to them.  An odd number spreads them over every
+// set (as the accumulators' columns); fp32 P.V at d = 128 measured ~6% faster on AVX2 (docs/perf.md).  16-bit
+// rows are widened by the GEMMs into their own padded scratch (kernels.h: widened_stride), so they stay dense.
+constexpr int64_t host_mirror_row_elems(int row_elems, int elem_bytes) {
+  int64_t const bytes = int64_t(row_elems) * elem_bytes;
+  return elem_bytes == 4 && bytes % 128 == 0 ? (bytes + 64) / elem_bytes : row_elems;
+}
+static_assert(host_mirror_row_elems(128, 4) == 144 && host_mirror_row_elems(64, 4) == 80 &&
+              host_mirror_row_elems(96, 4) == 112 && host_mirror_row_elems(48, 4) == 48 &&
+              host_mirror_row_elems(128, 2) == 128);
+
+// The A operand fragment of a GEMM whose A is loaded from shared memory once and kept (Q, kQInRegs):
+// partition_fragment_A's, except on the host, where its columns are padded like the accumulators'.  Dense,
+// a 128-row Q fragment's columns are 512 bytes apart and one register block's 16 or 32 rows of every column
+// fall into 8 or 16 of L1's 64 sets, fewer lines than the block walks over the head dim; the Q.K^T's A then
+// came from L2 for every column block.  Every element is written by the shared -> register copy before use.
+template <class Traits, class ThrMma, class SmemTensor>
+CUTE_HOST_DEVICE auto make_a_fragment(ThrMma const& thr_mma, SmemTensor const& sA) {
+  if constexpr (Traits::kIsHost) {
+    using Frag = decltype(thr_mma.partition_fragment_A(sA));
+    using L = typename Frag::layout_type;
+    constexpr int kRows = decltype(cute::size<1>(L{}))::value;
+    constexpr int kCols = decltype(cute::size<2>(L{}))::value;
+    constexpr int kLd = host_acc_column_stride(kRows);
+    using Layout = decltype(cute::make_layout(cute::layout<0>(L{}), cute::make_layout(cute::Int<kRows>{}, cute::_1{}),
+                                              cute::make_layout(cute::Int<kCols>{}, cute::Int<kLd>{})));
+    return cute::Tensor<UninitializedArrayEngine<typename Frag::value_type, cute::cosize_v<Layout>>, Layout>{};
+  } else {
+    return thr_mma.partition_fragment_A(sA);
+  }
+}
+
 template <class Traits, class TiledMma, class Shape>
 CUTE_HOST_DEVICE auto make_acc_fragment(TiledMma const& tiled_mma, Shape const& shape) {
   if constexpr (Traits::kIsHost) {

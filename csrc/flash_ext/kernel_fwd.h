@@ -118,7 +118,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));        // (CPY,CPY_N,CPY_K) -> (n,k)
 
   // Shared -> register operands of the two GEMMs.
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);                                           // (MMA,MMA_M,MMA_K)
+  Tensor tSrQ = make_a_fragment<Traits>(thr_mma, sQ);                                       // (MMA,MMA_M,MMA_K)
   Tensor tSrK = thr_mma.partition_fragment_B(sK);                                           // (MMA,MMA_N,MMA_K)
   Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);                                // (MMA,MMA_K,MMA_N)
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);

@@ -283,7 +283,7 @@ class HostKvMirrorStorage {
   HostKvMirror mirror;
   void reserve(int seqlen_k, int block_n, int head_dim, int elem_bytes) {
     int const tiles = ceil_div(seqlen_k, block_n);
-    int64_t const tile_bytes = int64_t(block_n) * head_dim * elem_bytes;
+    int64_t const tile_bytes = int64_t(block_n) * host_mirror_row_elems(head_dim, elem_bytes) * elem_bytes;
     int64_t const bytes = cute::min<int64_t>(int64_t(tiles) * tile_bytes * 2, host_l2_bytes() * 4);
     entries_.reset(new HostKvMirror::Entry[size_t(2 * tiles)]);
     mirror = {storage_.reset(bytes), bytes, 0, entries_.get(), 2 * tiles, 0, 0};

@@ -191,6 +191,25 @@ inline void copy_unpack(Copy_Traits<flash_ext::HostVectorCopy<T, N>> const&, Ten
   }
 }
 
+// A whole shared -> register operand, (CPY, CPY_M, CPY_K), widened to fp32 (Q's fragment, once per CTA; the
+// backward's operands): column by column, so that the innermost loop runs down contiguous rows on both sides
+// and vectorises, whatever the destination's column padding (make_a_fragment).  Element by element through
+// the atom, a padded Q fragment's copy took ~2% of an fp32 prefill call.
+template <class T, class TV, class Tiler, class SEngine, class SLayout, class DEngine, class DLayout>
+inline void copy(TiledCopy<Copy_Atom<flash_ext::HostWidenCopy<T>, T>, TV, Tiler> const& tiled_copy,
+                 Tensor<SEngine, SLayout> const& src, Tensor<DEngine, DLayout>& dst) {
+  if constexpr (SLayout::rank == 3 && DLayout::rank == 3) {
+    static_assert(decltype(size(src))::value == decltype(size(dst))::value);
+    for (int k = 0; k < int(size<2>(src)); ++k) {
+      for (int m = 0; m < int(size<1>(src)); ++m) {
+        for (int v = 0; v < int(size<0>(src)); ++v) { dst(v, m, k) = flash_ext::host_to_float(src(v, m, k)); }
+      }
+    }
+  } else {
+    copy(static_cast<Copy_Atom<flash_ext::HostWidenCopy<T>, T> const&>(tiled_copy), src, dst);
+  }
+}
+
 // A whole global -> shared tile, (CPY, CPY_M, CPY_K): row by row, each row's next-tile counterpart
 // prefetched.  The body walks K/V tiles right to left, so the tile copied next lies kBlockN rows below this
 // one (a paged or varlen layout may put it elsewhere: a prefetch of the wrong lines costs a little
@@ -293,7 +312,8 @@ void const* host_mirror_tile(HostKvMirror& mirror, T const* tile, int64_t row_st
     }
   }
   int64_t const row_bytes = int64_t(row_elems) * int64_t(sizeof(T));
-  if (mirror.count == mirror.capacity || mirror.used + rows * row_bytes > mirror.bytes) { return nullptr; }
+  int64_t const copy_stride = host_mirror_row_elems(row_elems, int(sizeof(T))) * int64_t(sizeof(T));
+  if (mirror.count == mirror.capacity || mirror.used + rows * copy_stride > mirror.bytes) { return nullptr; }
   char* const copy = mirror.data + mirror.used;
   auto prefetch_row = [&](int m) {
     host_prefetch_lines(reinterpret_cast<uintptr_t>(tile) + uintptr_t(int64_t(m) * row_stride * int64_t(sizeof(T))),
@@ -304,10 +324,10 @@ void const* host_mirror_tile(HostKvMirror& mirror, T const* tile, int64_t row_st
   for (int m = 0; m < rows; ++m) {
     prefetch_row(m - rows);
     if (m + kRowsAhead < rows) { prefetch_row(m + kRowsAhead); }
-    std::memcpy(copy + m * row_bytes, tile + m * row_stride, size_t(row_bytes));
+    std::memcpy(copy + m * copy_stride, tile + m * row_stride, size_t(row_bytes));
   }
   mirror.entries[mirror.count++] = {tile, row_stride, copy};
-  mirror.used += rows * row_bytes;
+  mirror.used += rows * copy_stride;
   mirror.hint = mirror.count;
   return copy;
 }
@@ -441,7 +461,7 @@ struct HostTraits : PlainGlobalMemory {
           slot->smem = nullptr;
           return false;
         }
-        *slot = {smem, copy, kHeadDim_, kHeadDim_, false};
+        *slot = {smem, copy, host_mirror_row_elems(kHeadDim_, int(sizeof(Element))), kHeadDim_, false};
         return true;
       } else {
         return false;
