@@ -164,6 +164,30 @@ void check_traits(const char* name, int smem_limit_bytes) {
     CHECK(ld_s * 4 % 64 == 0 && ld_o * 4 % 64 == 0, "%s: host accumulator column strides %lld, %lld floats", name,
           (long long)ld_s, (long long)ld_o);
     (void)before[0], (void)between[0];
+    // The Q fragment (make_a_fragment): on a line, its columns an odd number of lines apart from 64 rows up (a
+    // 512-byte stride put a register block's lines into 8 of L1's 64 sets), and the widening copy from sQ
+    // (column by column on the host) leaves Q(m, k) at the fragment's (m, k), every element written.
+    {
+      static E q_smem[cosize_v<typename Traits::SmemLayoutQ>];
+      Tensor sQt = make_tensor(make_smem_ptr(q_smem), typename Traits::SmemLayoutQ{});  // (BLK_M,BLK_K)
+      for (int m = 0; m < kBlockM; ++m) {
+        for (int k = 0; k < kHeadDim; ++k) { sQt(m, k) = E(float((m * 7 + k * 3) % 61 - 30)); }
+      }
+      auto thr_mma = tiled_mma.get_thread_slice(0);
+      Tensor tSrQ = flash_ext::make_a_fragment<Traits>(thr_mma, sQt);  // (MMA,MMA_M,MMA_K)
+      auto smem_thr_copy_Q = copy_q.get_thread_slice(0);
+      for (int i = 0; i < int(size(tSrQ)); ++i) { tSrQ(i) = -1000.f; }  // poisoned: a missed element shows
+      copy(copy_q, smem_thr_copy_Q.partition_S(sQt), smem_thr_copy_Q.retile_D(tSrQ));
+      int64_t const ld_q = int64_t(stride<2>(tSrQ.layout()));
+      CHECK(reinterpret_cast<uintptr_t>(&tSrQ(0)) % 64 == 0 && (kBlockM < 64 || ld_q * 4 % 128 == 64),
+            "%s: host Q fragment at %p, column stride %lld floats", name, static_cast<void const*>(&tSrQ(0)),
+            (long long)ld_q);
+      int wrong = 0;
+      for (int m = 0; m < kBlockM; ++m) {
+        for (int k = 0; k < kHeadDim; ++k) { wrong += tSrQ(0, m, k) != float((m * 7 + k * 3) % 61 - 30); }
+      }
+      CHECK(wrong == 0, "%s: %d elements of the host Q fragment differ from sQ after the copy", name, wrong);
+    }
     // The host's whole-tile score mask (mask_scores) takes fragment (i, j) as tile (i, j): the coordinates that
     // ScoreMask::apply reads from the partitioned identity must be that.
     auto tScS = flash_ext::acc_rowcol<Traits::kAccValCols>(tiled_mma.get_thread_slice(0).partition_C(cS));
