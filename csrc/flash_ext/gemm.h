@@ -146,6 +146,19 @@ static_assert(host_mirror_row_elems(128, 4) == 144 && host_mirror_row_elems(64, 
               host_mirror_row_elems(96, 4) == 112 && host_mirror_row_elems(48, 4) == 48 &&
               host_mirror_row_elems(128, 2) == 128);
 
+// A host tile of the shape of Frag, a (1, ROWS, COLS) fragment: uninitialised, its columns padded
+// (host_acc_column_stride).  Shared by the accumulators and the Q fragment below.
+template <class Frag>
+CUTE_HOST_DEVICE auto make_host_padded_fragment() {
+  using L = typename Frag::layout_type;
+  constexpr int kRows = decltype(cute::size<1>(L{}))::value;
+  constexpr int kCols = decltype(cute::size<2>(L{}))::value;
+  constexpr int kLd = host_acc_column_stride(kRows);
+  using Layout = decltype(cute::make_layout(cute::layout<0>(L{}), cute::make_layout(cute::Int<kRows>{}, cute::_1{}),
+                                            cute::make_layout(cute::Int<kCols>{}, cute::Int<kLd>{})));
+  return cute::Tensor<UninitializedArrayEngine<typename Frag::value_type, cute::cosize_v<Layout>>, Layout>{};
+}
+
 // The A operand fragment of a GEMM whose A is loaded from shared memory once and kept (Q, kQInRegs):
 // partition_fragment_A's, except on the host, where its columns are padded like the accumulators'.  Dense,
 // a 128-row Q fragment's columns are 512 bytes apart and one register block's 16 or 32 rows of every column
@@ -154,30 +167,17 @@ static_assert(host_mirror_row_elems(128, 4) == 144 && host_mirror_row_elems(64, 
 template <class Traits, class ThrMma, class SmemTensor>
 CUTE_HOST_DEVICE auto make_a_fragment(ThrMma const& thr_mma, SmemTensor const& sA) {
   if constexpr (Traits::kIsHost) {
-    using Frag = decltype(thr_mma.partition_fragment_A(sA));
-    using L = typename Frag::layout_type;
-    constexpr int kRows = decltype(cute::size<1>(L{}))::value;
-    constexpr int kCols = decltype(cute::size<2>(L{}))::value;
-    constexpr int kLd = host_acc_column_stride(kRows);
-    using Layout = decltype(cute::make_layout(cute::layout<0>(L{}), cute::make_layout(cute::Int<kRows>{}, cute::_1{}),
-                                              cute::make_layout(cute::Int<kCols>{}, cute::Int<kLd>{})));
-    return cute::Tensor<UninitializedArrayEngine<typename Frag::value_type, cute::cosize_v<Layout>>, Layout>{};
+    return make_host_padded_fragment<decltype(thr_mma.partition_fragment_A(sA))>();
   } else {
     return thr_mma.partition_fragment_A(sA);
   }
 }
 
+// An accumulator tile of TiledMma over `shape` (UninitializedArrayEngine above says what the host's form is and why).
 template <class Traits, class TiledMma, class Shape>
 CUTE_HOST_DEVICE auto make_acc_fragment(TiledMma const& tiled_mma, Shape const& shape) {
   if constexpr (Traits::kIsHost) {
-    using Acc = decltype(cute::partition_fragment_C(tiled_mma, shape));
-    using L = typename Acc::layout_type;
-    constexpr int kRows = decltype(cute::size<1>(L{}))::value;
-    constexpr int kCols = decltype(cute::size<2>(L{}))::value;
-    constexpr int kLd = host_acc_column_stride(kRows);
-    using Layout = decltype(cute::make_layout(cute::layout<0>(L{}), cute::make_layout(cute::Int<kRows>{}, cute::_1{}),
-                                              cute::make_layout(cute::Int<kCols>{}, cute::Int<kLd>{})));
-    return cute::Tensor<UninitializedArrayEngine<typename Acc::value_type, cute::cosize_v<Layout>>, Layout>{};
+    return make_host_padded_fragment<decltype(cute::partition_fragment_C(tiled_mma, shape))>();
   } else {
     return cute::partition_fragment_C(tiled_mma, shape);
   }
