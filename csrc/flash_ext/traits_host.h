@@ -192,9 +192,9 @@ inline void copy_unpack(Copy_Traits<flash_ext::HostVectorCopy<T, N>> const&, Ten
 }
 
 // A whole shared -> register operand, (CPY, CPY_M, CPY_K), widened to fp32 (Q's fragment, once per CTA; the
-// backward's operands): column by column, so that the innermost loop runs down contiguous rows on both sides
-// and vectorises, whatever the destination's column padding (make_a_fragment).  Element by element through
-// the atom, a padded Q fragment's copy took ~2% of an fp32 prefill call.
+// backward's operands): column by column, so that the innermost loop runs down contiguous rows on both sides,
+// whatever the destination's column padding (make_a_fragment), rather than through the atom one element at a
+// time in cute's order.
 template <class T, class TV, class Tiler, class SEngine, class SLayout, class DEngine, class DLayout>
 inline void copy(TiledCopy<Copy_Atom<flash_ext::HostWidenCopy<T>, T>, TV, Tiler> const& tiled_copy,
                  Tensor<SEngine, SLayout> const& src, Tensor<DEngine, DLayout>& dst) {
