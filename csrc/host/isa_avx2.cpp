@@ -36,6 +36,9 @@ inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
 inline __attribute__((always_inline)) vf load_f16(uint16_t const* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
 }
+// maxps: kernels.h's vmax rule (a NaN in b comes out) in one instruction.
+#define FLASH_EXT_ISA_HAS_VMAX 1
+inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 // Lane i: the sum of v[i]'s 8 lanes, in sum_lanes's order (lane e + lane e + 4, then + 2, + 1: the same
 // bits); the last step leaves lane 4L + t holding input slot L + 2t, read so that it is v[4L + t].
 #define FLASH_EXT_ISA_HAS_SUM_EACH 1

@@ -24,22 +24,26 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 inline __attribute__((always_inline)) vf vsplat(float x) { return _mm512_set1_ps(x); }
 inline __attribute__((always_inline)) bool any_greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) { return (vu)_mm512_mul_epu32((__m512i)a, (__m512i)b); }
+// The maskz forms here and below: GCC 12's unmasked ones warn (-Wmaybe-uninitialized) inside their own headers.
+inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) {
+  return (vu)_mm512_maskz_mul_epu32(__mmask8(0xff), (__m512i)a, (__m512i)b);
+}
 inline __attribute__((always_inline)) uint32_t vmovemask(vi m) { return uint32_t(_mm512_movepi32_mask((__m512i)m)); }
 inline __attribute__((always_inline)) vf load_bf16(uint16_t const* p) {
-  // The maskz forms: GCC 12's unmasked ones warn (-Wmaybe-uninitialized) inside their own headers.
   __m512i const x = _mm512_maskz_cvtepu16_epi32(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
   return (vf)((vu)x << 16);
 }
 inline __attribute__((always_inline)) vf load_f16(uint16_t const* p) {
   return _mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
 }
+// maxps: kernels.h's vmax rule (a NaN in b comes out) in one instruction.
+#define FLASH_EXT_ISA_HAS_VMAX 1
+inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return _mm512_maskz_max_ps(__mmask16(0xffff), a, b); }
 // Lane i: the sum of v[i]'s 16 lanes, in sum_lanes's order (lane e + lane e + 8, then + 4, + 2, + 1, so the
 // result is the same bits): 45 shuffles and adds for 16 sums instead of 16 trips through memory.  The last
 // step leaves lane 4j + t holding input slot j + 4t; the slots are read in the order that makes it v[4j + t].
 #define FLASH_EXT_ISA_HAS_SUM_EACH 1
 inline __attribute__((always_inline)) vf vsum_each(vf const* v) {
-  // The maskz forms: GCC 12's unmasked shuffles warn (-Wmaybe-uninitialized) inside their own headers.
   auto slot = [v](int s) { return (__m512)v[4 * (s % 4) + s / 4]; };
   __mmask16 const all = 0xffff;
   __m512 h[8], q[4], t[2];
@@ -60,12 +64,12 @@ inline __attribute__((always_inline)) vf vsum_each(vf const* v) {
 }
 #define FLASH_EXT_ISA_HAS_SCALEF 1
 inline __attribute__((always_inline)) vf vround_even(vf x) {
-  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_maskz_roundscale_ps(__mmask16(0xffff), x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-inline __attribute__((always_inline)) vf vscalef(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+inline __attribute__((always_inline)) vf vscalef(vf p, vf n) { return _mm512_maskz_scalef_ps(__mmask16(0xffff), p, n); }
 #define FLASH_EXT_ISA_HAS_TRANSPOSE 1
 // out[j] lane i = in[i] lane j: 32-bit interleaves, then 64-bit ones, then two rounds of 128-bit lane shuffles
-// (the maskz forms, as in vsum_each).
+// (the maskz forms, as throughout this file).
 inline __attribute__((always_inline)) void vtranspose(vu const* in, vu* out) {
   __mmask16 const all = 0xffff;
   __mmask8 const all8 = 0xff;

@@ -31,6 +31,9 @@
 //   FLASH_EXT_ISA_HAS_SUM_EACH  optional, 1 where the level sums vectors' lanes by shuffles; then also
 //   vsum_each(v)         lane i = the sum of v[i]'s lanes for kLanes vectors v[0..kLanes), in sum_lanes's order
 //                        (else kernels.h's own, through memory)
+//   FLASH_EXT_ISA_HAS_VMAX  optional, 1 where the level has maxps; then also
+//   vmax(a, b)           a > b ? a : b lane by lane, as one instruction (GCC compiles the selection as a compare
+//                        and a blend: two operations in vexp2, once per score)
 //   FLASH_EXT_ISA_HAS_TILES  1 where the level has AMX-BF16 tiles (kLanes 16, bf16 dot products); then also
 //   tiles_begin(), tiles_end()   configure tiles 0-7 as 16 rows x 64 bytes / release them
 //   FLASH_EXT_TILE_LOAD(t, p, stride), FLASH_EXT_TILE_STORE(t, p, stride)   tile t (a literal) <-> 16 rows
@@ -79,6 +82,9 @@ namespace {
 #ifndef FLASH_EXT_ISA_HAS_TRANSPOSE
 #define FLASH_EXT_ISA_HAS_TRANSPOSE 0
 #endif
+#ifndef FLASH_EXT_ISA_HAS_VMAX
+#define FLASH_EXT_ISA_HAS_VMAX 0
+#endif
 
 static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16);
 static_assert(sizeof(vf) == 4 * kLanes && sizeof(vi) == 4 * kLanes && sizeof(vh) == 2 * kLanes);
@@ -93,7 +99,9 @@ FLASH_EXT_INLINE vf vload(float const* p) {
 FLASH_EXT_INLINE void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
 // maxps's rule, lane by lane: a NaN in b comes out (MaxOp's fmaxf would skip it); either way a NaN never
 // moves a softmax reference (the comparison with the slack is false) and exp2 carries it into the sum.
+#if !FLASH_EXT_ISA_HAS_VMAX
 FLASH_EXT_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
+#endif
 
 
 // Round to nearest even; NaN becomes 0x7fff (cutlass::bfloat16_t's rule), infinities stay.  The bf16 bits
