@@ -26,6 +26,9 @@ typedef uint16_t vh __attribute__((vector_size(16)));
 
 inline __attribute__((always_inline)) vf vsplat(float x) { return _mm256_set1_ps(x); }
 inline __attribute__((always_inline)) bool any_greater(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
+inline __attribute__((always_inline)) bool any_outside(vf x, vf lo, vf hi) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x, hi, _CMP_GT_OQ), _mm256_cmp_ps(x, lo, _CMP_NGE_UQ))) != 0;
+}
 inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) { return (vu)_mm256_mul_epu32((__m256i)a, (__m256i)b); }
 inline __attribute__((always_inline)) uint32_t vmovemask(vi m) { return uint32_t(_mm256_movemask_ps((__m256)m)); }

@@ -24,6 +24,11 @@ typedef uint16_t vh __attribute__((vector_size(8)));
 
 inline __attribute__((always_inline)) vf vsplat(float x) { return vf{x, x, x, x}; }
 inline __attribute__((always_inline)) bool any_greater(vf a, vf b) { return a[0] > b[0] || a[1] > b[1] || a[2] > b[2] || a[3] > b[3]; }
+inline __attribute__((always_inline)) bool any_outside(vf x, vf lo, vf hi) {
+  bool out = false;
+  for (int i = 0; i < 4; ++i) { out |= !(x[i] >= lo[i] && x[i] <= hi[i]); }  // NaN fails both comparisons
+  return out;
+}
 inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return a * b + c; }
 
 // fp16 <-> fp32 without F16C: exact widening; narrowing rounds to nearest even (subnormals through an

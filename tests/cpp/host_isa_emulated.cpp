@@ -66,6 +66,13 @@ inline bool any_greater(vf a, vf b) {
   return (_mm256_movemask_ps(_mm256_cmp_ps(x.lo, y.lo, _CMP_GT_OQ)) |
           _mm256_movemask_ps(_mm256_cmp_ps(x.hi, y.hi, _CMP_GT_OQ))) != 0;
 }
+inline bool any_outside(vf x, vf lo, vf hi) {
+  Halves const v = split(x), l = split(lo), h = split(hi);
+  auto const out = [](__m256 v, __m256 l, __m256 h) {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, h, _CMP_GT_OQ), _mm256_cmp_ps(v, l, _CMP_NGE_UQ)));
+  };
+  return (out(v.lo, l.lo, h.lo) | out(v.hi, l.hi, h.hi)) != 0;
+}
 inline vf vfma(vf a, vf b, vf c) {
   Halves const x = split(a), y = split(b), z = split(c);
   return join(_mm256_fmadd_ps(x.lo, y.lo, z.lo), _mm256_fmadd_ps(x.hi, y.hi, z.hi));

@@ -6,6 +6,7 @@
 // against cutlass's.  Levels the CPU lacks are reported
 // as skipped with the missing feature; an extra level (test_host_isa_emulated) runs the 16-lane AVX-512
 // kernel source on AVX2, bf16 dot products emulated, so that its blocking is exercised on any x86-64 CPU.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -415,6 +416,46 @@ struct ScalarSoftmaxTraits {
   static bool warp_any(bool p) { return kEager || p; }
 };
 
+// The steady state's two ways to a probability (softmax_rescale on a bit-arithmetic level: an exp2 without range
+// masks for a vector of rows whose scores at a column all lie from -126 to the slack in the exp2 domain, vexp2
+// where one lane does not) give the same bits.  A tile against its copy in which one row per column is masked
+// (-inf), far below its reference or NaN, sending that column's vector the other way: every other probability
+// and the sums of the rows never changed agree bit for bit; no reference moves.
+void check_softmax_paths(HostKernels const& k) {
+  int const rows = 48, cols = 64, o_cols = 16;
+  float const scale = 0.18f, ref = 4.f;
+  std::normal_distribution<float> nd;
+  std::vector<float> s_a(rows * cols), o(rows * o_cols, 1.f), mx_a(rows, ref), sm_a(rows, 1.f);
+  for (auto& x : s_a) { x = ref + std::clamp(nd(g_rng) * 10.f, -500.f, 40.f); }  // (x - ref) * scale in [-90, 7.2]
+  std::vector<float> s_b = s_a, mx_b = mx_a, sm_b = sm_a, o_b = o;
+  auto const edited = [](int m, int n) { return m == (n * 7) % 24; };  // rows 24-47 never: their sums compare too
+  for (int n = 0; n < cols; ++n) {
+    float& x = s_b[(n * 7) % 24 + n * rows];
+    x = n % 3 == 0 ? -INFINITY : n % 3 == 1 ? ref - 1000.f : NAN;  // 1000 * scale: past 126 below
+  }
+  k.softmax_rescale({s_a.data(), rows, cols, o.data(), rows, o_cols, mx_a.data(), sm_a.data(), rows, scale, false});
+  k.softmax_rescale({s_b.data(), rows, cols, o_b.data(), rows, o_cols, mx_b.data(), sm_b.data(), rows, scale, false});
+  int diff = 0, wrong_edit = 0;
+  for (int n = 0; n < cols; ++n) {
+    for (int m = 0; m < rows; ++m) {
+      float const a = s_a[m + n * rows], b = s_b[m + n * rows];
+      if (edited(m, n)) {
+        wrong_edit += n % 3 == 2 ? !std::isnan(b) : b != 0.f;
+      } else {
+        diff += std::memcmp(&a, &b, sizeof(a)) != 0;
+      }
+    }
+  }
+  for (int m = 0; m < rows; ++m) {
+    diff += mx_a[m] != ref || mx_b[m] != ref || o[m] != 1.f || o_b[m] != 1.f;
+    if (m >= 24) { diff += std::memcmp(&sm_a[m], &sm_b[m], sizeof(float)) != 0; }
+  }
+  CHECK(diff == 0 && wrong_edit == 0,
+        "%s softmax: %d probabilities, sums or references differ between the in-range exp2 and vexp2; %d edited "
+        "scores not 0 (NaN: not NaN)", k.name, diff, wrong_edit);
+  std::printf("  softmax: in-range against masked exponentials, %d probabilities compared\n", rows * cols - cols);
+}
+
 // The host step against softmax.h's rescale_o: the same probabilities, sums and O once the reference's
 // factor exp2((max - ref) * scale) is taken out, and a reference that is rescale_o's maximum or the host's
 // previous reference (host_isa.h).
@@ -813,6 +854,7 @@ void check_level(HostKernels const& k) {
   check_softmax(k, 48);
   check_softmax(k, 40);
   check_softmax_matches_generic(k);
+  check_softmax_paths(k);
   check_convert(k);
   check_store_rows(k);
   check_add_rows(k);

@@ -23,6 +23,9 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 
 inline __attribute__((always_inline)) vf vsplat(float x) { return _mm512_set1_ps(x); }
 inline __attribute__((always_inline)) bool any_greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
+inline __attribute__((always_inline)) bool any_outside(vf x, vf lo, vf hi) {
+  return (_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x, lo, _CMP_NGE_UQ)) != 0;
+}
 inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 // The maskz forms here and below: GCC 12's unmasked ones warn (-Wmaybe-uninitialized) inside their own headers.
 inline __attribute__((always_inline)) vu vmul_even_u32(vu a, vu b) {
