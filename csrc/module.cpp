@@ -99,7 +99,8 @@ std::string set_cpu_isa(std::string const& name) {
 }
 
 // One entry per compiled kernel instance: the CUDA forward kernels (arch x head dim x dtype x causal x
-// static variant, with their tile) and the host instances (head dim x dtype x tile height).
+// static variant, with their tile; smem_budget_kb 163, or 99 for the kernels a file adds for sm_86/sm_89's
+// shared memory where a tile differs there) and the host instances (head dim x dtype x tile height).
 py::list compiled_kernels() {
   py::list out;
   for (auto const& arch : cuda_archs()) {
@@ -107,12 +108,16 @@ py::list compiled_kernels() {
       for (char const* dtype : {"fp16", "bf16"}) {
         for (bool causal : {false, true}) {
           for (int vi = 0; vi < kNumVariants; ++vi) {
-            TileConfig const t = sm80_tile_config(hd, vi);
-            py::dict k;
-            k["backend"] = "cuda", k["arch"] = "sm_" + arch, k["kernel"] = "fwd", k["head_dim"] = hd;
-            k["dtype"] = dtype, k["causal"] = causal, k["variant"] = kVariants[vi].name;
-            k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
-            out.append(k);
+            for (SmemBudget budget : {SmemBudget::kSm80, SmemBudget::kSm86}) {
+              TileConfig const t = sm80_tile_config(hd, vi, causal, budget);
+              if (budget == SmemBudget::kSm86 && t == sm80_tile_config(hd, vi, causal)) { continue; }
+              py::dict k;
+              k["backend"] = "cuda", k["arch"] = "sm_" + arch, k["kernel"] = "fwd", k["head_dim"] = hd;
+              k["dtype"] = dtype, k["causal"] = causal, k["variant"] = kVariants[vi].name;
+              k["block_m"] = t.block_m, k["block_n"] = t.block_n, k["threads"] = 32 * t.num_warps;
+              k["smem_budget_kb"] = int(budget) / 1024;
+              out.append(k);
+            }
           }
         }
       }
@@ -122,7 +127,7 @@ py::list compiled_kernels() {
     for (char const* dtype : {"fp16", "bf16"}) {
       for (bool causal : {false, true}) {
         for (int vi = 0; vi < kNumVariants; ++vi) {
-          TileConfig const t = sm80_tile_config(hd, vi);
+          TileConfig const t = sm80_tile_config(hd, vi, causal);
           py::dict k;
           k["backend"] = "emulator", k["arch"] = "sm_80", k["kernel"] = "fwd", k["head_dim"] = hd;
           k["dtype"] = dtype, k["causal"] = causal, k["variant"] = kVariants[vi].name;
@@ -190,7 +195,7 @@ py::dict gpu_tile_config(int head_dim, bool causal, int max_smem_per_block_optin
   SmemBudget const budget = smem_budget_for(max_smem_per_block_optin);
   int const variant = select_fwd_variant(p, hd, causal, budget);
   TORCH_CHECK_VALUE(variant >= 0, "gpu_tile_config: no static variant admits causal=", causal, " local=", local);
-  TileConfig const t = sm80_tile_config(hd, variant, budget);
+  TileConfig const t = sm80_tile_config(hd, variant, causal, budget);
   py::dict d;
   d["head_dim_tile"] = hd, d["block_m"] = t.block_m, d["block_n"] = t.block_n, d["num_warps"] = t.num_warps;
   d["threads"] = 32 * t.num_warps, d["smem_bytes"] = tile_smem_bytes(t, hd), d["variant"] = kVariants[variant].name;

@@ -41,5 +41,7 @@ def build_info() -> dict:
 def compiled_kernels() -> list:
     """Every compiled kernel instance, one dict each: ``backend`` ("cuda"/"emulator"/"cpu"), ``arch``, ``kernel``,
     ``head_dim``, ``dtype``, ``causal``, ``variant`` (the static flag combination) and the tile
-    (``block_m``, ``block_n``, ``threads``).  A problem runs the smallest compiled head dim >= its own."""
+    (``block_m``, ``block_n``, ``threads``); CUDA entries also carry ``smem_budget_kb`` (163, or 99 for a kernel
+    compiled for sm_86/sm_89's shared memory where a tile differs there).  A problem runs the smallest compiled
+    head dim >= its own."""
     return _C.compiled_kernels()

@@ -166,3 +166,34 @@ def test_gqa_decode_steps_are_hbm_bound_on_the_decode_tile(head_dim: int, gpu: s
         assert r is not None and r.block_m == (128 if baseline else 16 if head_dim < 256 else 32), str(r)
         if not baseline:
             assert r.bound == "HBM", f"b={b} sk={sk}: {r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_dim_128_prefill_tiles_per_gpu_class(dtype: torch.dtype) -> None:
+    """dispatch.h's head-dim-128 tiles, as FA2 2.8 chooses them: a non-causal tile-multiple problem runs
+    128 x 64 on 4 warps where a CTA may take 163 KB or more of shared memory (A100, H100, H200: 64 KB each,
+    10.7 FMA per shared byte, sm_90's bar); on sm_86/sm_89's 99 KB that tile would leave one CTA of 4 warps
+    per SM, so they keep 128 x 32 (48 KB, two CTAs).  Causal and odd lengths keep 128 x 32 everywhere (64
+    keys spilled there, nvcc 13.0).  Expected values are the rule's, written by hand."""
+    from flash_ext import _C
+
+    if flash_ext.build_info()["gpu_fwd_warps"].startswith("8"):
+        pytest.skip("the baseline build runs 128 x 64 on 8 warps everywhere")
+
+    def tile(causal: bool, smem_kb: int, seqlen: int) -> tuple:
+        t = _C.gpu_tile_config(128, causal, smem_kb * 1024, seqlen, seqlen, False, False, False, False, 1, False)
+        return t["variant"], t["block_m"], t["block_n"], t["num_warps"], t["smem_bytes"], t["ctas_per_sm"]
+
+    for smem_kb in (163, 227):  # A100; H100 / H200
+        assert tile(False, smem_kb, 2048) == ("even", 128, 64, 4, 65536, 2)
+        assert tile(True, smem_kb, 2048) == ("even", 128, 32, 4, 49152, 2)
+        assert tile(False, smem_kb, 2000) == ("uneven", 128, 32, 4, 49152, 2)
+    assert tile(False, 99, 2048) == ("even", 128, 32, 4, 49152, 2)  # sm_86 / sm_89
+    assert tile(True, 99, 2048) == ("even", 128, 32, 4, 49152, 2)
+    # The model on those tiles: the 64-key tile meets sm_90's feed bar (2 x 32 x 64 x 128 FMA per warp and
+    # tile over (32 + 2 x 64) x 128 x 2 B of ldmatrix plus its quarter of 2 x 64 x 128 x 2 B of cp.async).
+    if 128 in flash_ext.build_info()["host_head_dims"]:  # explain() plans a CPU call first
+        q = torch.randn(1, 2048, 16, 128, dtype=dtype)
+        r = flash_ext.explain(q, q, q, gpu="H100", verbose=False).roofline
+        assert (r.block_n, r.num_warps) == (64, 4)
+    assert rl.tile_mma_flops(128, 64, 128) / 2 / rl.tile_smem_bytes(128, 64, 128, 4) == pytest.approx(32 / 3)

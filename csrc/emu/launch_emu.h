@@ -27,8 +27,8 @@ namespace flash_ext::emu {
 inline constexpr SmemBudget kEmuBudget = SmemBudget::kSm80;
 
 // Sm80Fwd of launch_sm80.cuh with the emulated policy.
-template <int kHeadDim, class Element>
-using EmuFwd = Sm80FwdTiles<kHeadDim, Element, kEmuBudget, EmuSm80Arch>;
+template <int kHeadDim, class Element, bool kCausal>
+using EmuFwd = Sm80FwdTiles<kHeadDim, Element, kCausal, kEmuBudget, EmuSm80Arch>;
 
 // flash_fwd_kernel<Traits, Flags><<<grid, kNThreads, kSmemBytes>>>: every block of the grid, on the emulator.
 template <class Traits, class Flags>
@@ -101,7 +101,7 @@ std::string launch_variant_emu(FwdParams const& params, EmuLaunch& launch, int v
 // Explicitly instantiated once per (head dim, dtype, causal) in csrc/emu/generated/.
 template <int kHeadDim, class Element, bool kCausal>
 std::string run_fwd_emu_sm80(FwdParams const& params, EmuLaunch& launch) {
-  using Fwd = EmuFwd<kHeadDim, Element>;
+  using Fwd = EmuFwd<kHeadDim, Element, kCausal>;
   std::string err = launch_variant_emu<Fwd, kCausal>(params, launch,
                                                      select_fwd_variant(params, kHeadDim, kCausal, Fwd::kBudget));
   if (err.empty() && params.num_splits > 1) { err = launch_combine_emu<Element>(params, launch); }

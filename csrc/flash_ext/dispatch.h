@@ -109,11 +109,19 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //        hd <= 64: even, uneven 4 x 32 rows, N 64;  general, dropout 4 x 32, N 32 (N 64: 8-120 B)
 //        hd 96:    even 4 x 32, N 64 (uneven at N 64: 8 B on sm_90);  uneven, general 4 x 32, N 32;
 //                  dropout 8 x 16, N 64 (4 x 32, N 32: 32-88 B)
-//        hd 128:   even, uneven 4 x 32, N 32 (N 64: 32-440 B);  general, dropout 8 x 16, N 64
-//                  (4 x 32, N 32: general 8 B, dropout 72 B)
+//        hd 128:   even without causal 4 x 32, N 64 where the budget is sm_80's (255 registers, 0 B;
+//                  re-measured at 27635bb, after the walked K/V partitions and the lagging reference of
+//                  #14 had freed registers: N 64 had spilled 32-440 B on 2026-12-03); even with causal
+//                  and uneven 4 x 32, N 32 (N 64: causal even 88-104 B, uneven 32-88 B);  general,
+//                  dropout 8 x 16, N 64 (4 x 32, N 32: general 8 B, dropout 72 B)
 //        hd 192, 256: 8 x 16 (8 warps already use 235-255 registers)
 //    The 4-warp kernels run at 220-255 registers, so a change to the body is re-checked with
-//    scripts/compile_all.sh.  FA2 makes the same choice at hd 128 (4 warps, 128 x 32 without causal).
+//    scripts/compile_all.sh.  FA2 runs hd 128 on 4 warps too: 128 x 64 on sm_80/sm_90, 128 x 32 without
+//    causal on sm_86/sm_89.
+//  - hd 128's 128 x 64 even tile takes 64 KB of shared memory: one CTA of 4 warps per SM on sm_86/sm_89
+//    (99 KB), where 128 x 32 (48 KB) keeps two.  So that tile depends on the budget, and a non-causal
+//    hd-128 file compiles its even kernel twice (kBudgetMatters, traits_sm80.h); its other variants are
+//    the same kernels under either budget.
 //  - At <= 255 registers one CTA of 8 warps fills an SM's 64K registers; a 4-warp CTA leaves room for a
 //    second one (shared memory allows it at every head dim <= 128), so 8 warps per SM overlap MMA, exp2
 //    and cp.async in both cases.
@@ -130,7 +138,7 @@ inline constexpr int kBaselineFwdWarps = 0;
 #endif
 
 // Keys per tile of the 4-warp x 32-row config of a variant (the table above), or 0 where it keeps 8 warps.
-constexpr int sm80_four_warp_block_n(int head_dim, Variant v) {
+constexpr int sm80_four_warp_block_n(int head_dim, Variant v, bool causal, SmemBudget budget) {
   bool const lean = v.local == FlagMode::kFalse && v.alibi == FlagMode::kFalse && v.softcap == FlagMode::kFalse &&
                     v.dropout == FlagMode::kFalse;
   bool const fully_static = lean && v.even_mn == FlagMode::kTrue && v.even_k == FlagMode::kTrue &&
@@ -138,7 +146,10 @@ constexpr int sm80_four_warp_block_n(int head_dim, Variant v) {
   bool const dropout = v.dropout != FlagMode::kFalse;
   if (head_dim <= 64) { return lean ? 64 : 32; }
   if (head_dim <= 96) { return fully_static ? 64 : dropout ? 0 : 32; }
-  if (head_dim <= 128) { return lean ? 32 : 0; }
+  if (head_dim <= 128) {
+    if (!lean) { return 0; }
+    return fully_static && !causal && budget == SmemBudget::kSm80 ? 64 : 32;
+  }
   return 0;
 }
 
@@ -157,12 +168,12 @@ constexpr int sm80_four_warp_block_n(int head_dim, Variant v) {
 // accumulator and compile without spills on both archs.  A runtime-even variant may have its own N: its
 // kernel derives even_mn and its split share from its own tile (kernel_fwd.h), and the split heuristic's
 // count of 64-key tiles only sizes the split.
-constexpr TileConfig sm80_tile_config(int head_dim, int variant, SmemBudget budget = SmemBudget::kSm80) {
+constexpr TileConfig sm80_tile_config(int head_dim, int variant, bool causal, SmemBudget budget = SmemBudget::kSm80) {
   BlockShape const b = sm80_block_shape(head_dim, budget);
   Variant const v = kVariants[variant];
   if (kBaselineFwdWarps != 0) { return {b.block_m, b.block_n, kBaselineFwdWarps}; }
   if (v.few_rows) { return head_dim == 256 ? TileConfig{2 * kDecodeRows, 16, 2} : TileConfig{kDecodeRows, b.block_n, 1}; }
-  if (int const n4 = sm80_four_warp_block_n(head_dim, v); n4 != 0) { return {b.block_m, n4, 4}; }
+  if (int const n4 = sm80_four_warp_block_n(head_dim, v, causal, budget); n4 != 0) { return {b.block_m, n4, 4}; }
   if (head_dim == 192 && v.dropout == FlagMode::kTrue) { return {b.block_m, 32, 8}; }
   return {b.block_m, b.block_n, 8};
 }
@@ -182,15 +193,18 @@ constexpr bool tile_configs_fit() {
   for (int hd : {32, 64, 96, 128, 192, 256}) {
     for (int v = 0; v < kNumVariants; ++v) {
       for (SmemBudget b : {SmemBudget::kSm80, SmemBudget::kSm86}) {
-        TileConfig const t = sm80_tile_config(hd, v, b);
-        if (tile_smem_bytes(t, hd) > int(b)) { return false; }
-        // Each warp owns whole 16-row MMA slabs (Sm80Traits).
-        if (t.block_m % (16 * t.num_warps) != 0) { return false; }
-        // Variants that test even_mn statically use the shared shape's rows and a divisor of its keys
-        // (select_fwd_variant computes the flag on the shared shape).
-        BlockShape const shape = sm80_block_shape(hd, b);
-        if (kVariants[v].even_mn != FlagMode::kRuntime && (t.block_m != shape.block_m || shape.block_n % t.block_n != 0)) {
-          return false;
+        for (bool causal : {false, true}) {
+          TileConfig const t = sm80_tile_config(hd, v, causal, b);
+          if (tile_smem_bytes(t, hd) > int(b)) { return false; }
+          // Each warp owns whole 16-row MMA slabs (Sm80Traits).
+          if (t.block_m % (16 * t.num_warps) != 0) { return false; }
+          // Variants that test even_mn statically use the shared shape's rows and a divisor of its keys
+          // (select_fwd_variant computes the flag on the shared shape).
+          BlockShape const shape = sm80_block_shape(hd, b);
+          if (kVariants[v].even_mn != FlagMode::kRuntime &&
+              (t.block_m != shape.block_m || shape.block_n % t.block_n != 0)) {
+            return false;
+          }
         }
       }
     }

@@ -75,7 +75,7 @@ inline void fill_fwd_plan(CudaPlan& plan, FwdParams const& params, int head_dim,
   plan.variant = select_fwd_variant(params, head_dim, causal, budget);
   plan.variant_name = plan.variant >= 0 ? kVariants[plan.variant].name : "";
   BlockShape const shape = sm80_block_shape(head_dim, budget);
-  TileConfig const tile = plan.variant >= 0 ? sm80_tile_config(head_dim, plan.variant, budget)
+  TileConfig const tile = plan.variant >= 0 ? sm80_tile_config(head_dim, plan.variant, causal, budget)
                                             : TileConfig{shape.block_m, shape.block_n, 0};
   plan.block_m = tile.block_m;
   plan.block_n = tile.block_n;

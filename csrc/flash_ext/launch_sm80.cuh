@@ -14,8 +14,8 @@
 
 namespace flash_ext {
 
-template <int kHeadDim, class Element, SmemBudget kBudget = SmemBudget::kSm80>
-using Sm80Fwd = Sm80FwdTiles<kHeadDim, Element, kBudget, Sm80Arch>;
+template <int kHeadDim, class Element, bool kCausal, SmemBudget kBudget = SmemBudget::kSm80>
+using Sm80Fwd = Sm80FwdTiles<kHeadDim, Element, kCausal, kBudget, Sm80Arch>;
 
 // One CTA per (m_block, batch, head, split), laid out and decoded by grid.h.
 template <class Traits, class Flags>
@@ -52,21 +52,22 @@ std::string launch_variant(FwdParams const& params, cudaStream_t stream, int var
   }
 }
 
-template <class Fwd, bool kCausal>
+template <class Fwd>
 std::string run_tiles(FwdParams const& params, cudaStream_t stream) {
-  return launch_variant<Fwd, kCausal>(params, stream, select_fwd_variant(params, Fwd::kHeadDim, kCausal, Fwd::kBudget));
+  return launch_variant<Fwd, Fwd::kCausal>(params, stream,
+                                           select_fwd_variant(params, Fwd::kHeadDim, Fwd::kCausal, Fwd::kBudget));
 }
 
 // Explicitly instantiated once per (head dim, dtype, causal) in the generated files.
 template <int kHeadDim, class Element, bool kCausal>
 std::string run_fwd_sm80(FwdParams const& params, cudaStream_t stream, SmemBudget budget) {
-  using Fwd = Sm80Fwd<kHeadDim, Element>;
+  using Fwd = Sm80Fwd<kHeadDim, Element, kCausal>;
   if constexpr (Fwd::kBudgetMatters) {
     if (budget == SmemBudget::kSm86) {
-      return run_tiles<Sm80Fwd<kHeadDim, Element, SmemBudget::kSm86>, kCausal>(params, stream);
+      return run_tiles<Sm80Fwd<kHeadDim, Element, kCausal, SmemBudget::kSm86>>(params, stream);
     }
   }
-  return run_tiles<Fwd, kCausal>(params, stream);
+  return run_tiles<Fwd>(params, stream);
 }
 
 }  // namespace flash_ext

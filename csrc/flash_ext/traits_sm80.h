@@ -87,22 +87,24 @@ struct Sm80Traits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 32> 
   CUTE_HOST_DEVICE static bool warp_any(bool p) { return Arch::warp_any(p); }
 };
 
-// The forward instantiations of one (head dim, dtype) file: the traits of each static variant (dispatch.h's
-// tile for it), all of one M x N shape, so the variant is picked from flags computed with that shape.  Arch
+// The forward instantiations of one (head dim, dtype, causal) file: the traits of each static variant
+// (dispatch.h's tile for it), all of one M x N shape, so the variant is picked from flags computed with that shape.  Arch
 // is Sm80Arch on the GPU and the emulated policy under the warp emulator: same tiles for both.
-template <int kHeadDim_, class Element, SmemBudget kBudget_, class Arch>
+template <int kHeadDim_, class Element, bool kCausal_, SmemBudget kBudget_, class Arch>
 struct Sm80FwdTiles {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kCausal = kCausal_;
   static constexpr SmemBudget kBudget = kBudget_;
   template <int kVariant>
-  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kVariant, kBudget);
+  static constexpr TileConfig kTile = sm80_tile_config(kHeadDim, kVariant, kCausal, kBudget);
   template <int kVariant>
   using Traits = Sm80Traits<kHeadDim, kTile<kVariant>.block_m, kTile<kVariant>.block_n, kTile<kVariant>.num_warps,
                             Element, Arch>;
   // A smaller shared-memory budget only adds kernels where it changes a tile.
   static constexpr bool kBudgetMatters = [] {
     for (int v = 0; v < kNumVariants; ++v) {
-      if (sm80_tile_config(kHeadDim, v, SmemBudget::kSm86) != sm80_tile_config(kHeadDim, v, SmemBudget::kSm80)) {
+      if (sm80_tile_config(kHeadDim, v, kCausal, SmemBudget::kSm86) !=
+          sm80_tile_config(kHeadDim, v, kCausal, SmemBudget::kSm80)) {
         return true;
       }
     }

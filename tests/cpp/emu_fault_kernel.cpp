@@ -41,7 +41,7 @@ struct FaultArch : EmuSm80Arch {
 // The tile dispatch.h gives the variant launched below ("uneven", head dim 64: 4 warps x 32 rows), so the
 // faults are planted in the kernel a GPU would run.
 constexpr int kVariant = 1;
-constexpr TileConfig kTile = sm80_tile_config(64, kVariant);
+constexpr TileConfig kTile = sm80_tile_config(64, kVariant, /*causal=*/false);
 using Base = Sm80Traits<64, kTile.block_m, kTile.block_n, kTile.num_warps, cutlass::half_t, FaultArch>;
 
 // The traits with one layout decision of the GPU path done wrong.  Every type the kernel reads from the

@@ -164,7 +164,7 @@ void check_host_tile_masks(char const* tile) {
 template <int kHeadDim>
 void check_tile_masks() {
   constexpr int kDropoutVariant = flash_ext::select_variant(false, {false, false, false, false, false, false, true});
-  constexpr auto tile = flash_ext::sm80_tile_config(kHeadDim, kDropoutVariant);
+  constexpr auto tile = flash_ext::sm80_tile_config(kHeadDim, kDropoutVariant, /*causal=*/false);
   char name[64];
   std::snprintf(name, sizeof(name), "Sm80 hd%d %dx%d w%d", kHeadDim, tile.block_m, tile.block_n, tile.num_warps);
   check_tile_mask<flash_ext::Sm80Traits<kHeadDim, tile.block_m, tile.block_n, tile.num_warps, cutlass::half_t>>(name);

@@ -203,35 +203,37 @@ void check_traits(const char* name, int smem_limit_bytes) {
 
 // Launch configuration: the launcher requests Traits::kSmemBytes; sm_80 and sm_90 allow 163 KB and 227 KB
 // of dynamic shared memory per block, sm_86/89 99 KB (their own budget in dispatch.h).  Each static variant
-// has its own tile (dispatch.h: warps per variant); a config shared with an earlier variant is checked once.
-template <int kHeadDim, class Element, flash_ext::SmemBudget kBudget = flash_ext::SmemBudget::kSm80, int kVariant = 0>
+// has its own tile (dispatch.h: warps per variant, and for some the causal flag); a config shared with an
+// earlier variant of the same file is checked once.
+template <int kHeadDim, class Element, flash_ext::SmemBudget kBudget, bool kCausal, int kVariant = 0>
 void check_gpu_config() {
-  constexpr auto tile = flash_ext::sm80_tile_config(kHeadDim, kVariant, kBudget);
-  constexpr bool seen = [] {
+  constexpr auto tile = flash_ext::sm80_tile_config(kHeadDim, kVariant, kCausal, kBudget);
+  constexpr bool seen = [tile] {
     for (int v = 0; v < kVariant; ++v) {
-      if (flash_ext::sm80_tile_config(kHeadDim, v, kBudget) == flash_ext::sm80_tile_config(kHeadDim, kVariant, kBudget)) {
-        return true;
-      }
+      if (flash_ext::sm80_tile_config(kHeadDim, v, kCausal, kBudget) == tile) { return true; }
     }
     return false;
   }();
   if constexpr (!seen) {
     using Traits = flash_ext::Sm80Traits<kHeadDim, tile.block_m, tile.block_n, tile.num_warps, Element>;
     char name[112];
-    std::snprintf(name, sizeof(name), "Sm80 hd%d %s %dx%d w%d budget %dK (from variant %s)", kHeadDim,
+    std::snprintf(name, sizeof(name), "Sm80 hd%d %s %dx%d w%d budget %dK (from variant %s%s)", kHeadDim,
                   std::is_same_v<Element, cutlass::half_t> ? "fp16" : "bf16", tile.block_m, tile.block_n,
-                  tile.num_warps, int(kBudget) / 1024, flash_ext::kVariants[kVariant].name);
+                  tile.num_warps, int(kBudget) / 1024, flash_ext::kVariants[kVariant].name, kCausal ? ", causal" : "");
     check_traits<Traits>(name, int(kBudget));
     CHECK(Traits::kSmemBytes <= 227 * 1024, "%s: exceeds sm_90's 227 KB", name);
   }
-  if constexpr (kVariant + 1 < flash_ext::kNumVariants) { check_gpu_config<kHeadDim, Element, kBudget, kVariant + 1>(); }
+  if constexpr (kVariant + 1 < flash_ext::kNumVariants) { check_gpu_config<kHeadDim, Element, kBudget, kCausal, kVariant + 1>(); }
 }
 
 template <int kHeadDim>
 void check_head_dim() {
-  check_gpu_config<kHeadDim, cutlass::bfloat16_t>();
-  check_gpu_config<kHeadDim, cutlass::half_t>();
-  check_gpu_config<kHeadDim, cutlass::bfloat16_t, flash_ext::SmemBudget::kSm86>();
+  using flash_ext::SmemBudget;
+  check_gpu_config<kHeadDim, cutlass::bfloat16_t, SmemBudget::kSm80, false>();
+  check_gpu_config<kHeadDim, cutlass::bfloat16_t, SmemBudget::kSm80, true>();
+  check_gpu_config<kHeadDim, cutlass::half_t, SmemBudget::kSm80, false>();
+  check_gpu_config<kHeadDim, cutlass::bfloat16_t, SmemBudget::kSm86, false>();
+  check_gpu_config<kHeadDim, cutlass::bfloat16_t, SmemBudget::kSm86, true>();
   char name[64];
   std::snprintf(name, sizeof(name), "Host hd%d bf16 128x64", kHeadDim);
   check_traits<flash_ext::HostTraits<kHeadDim, 128, 64, cutlass::bfloat16_t>>(name, 1 << 30);
