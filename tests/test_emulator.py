@@ -152,12 +152,12 @@ def test_fixed_length_full(hd: int, flags: str, shape: tuple, dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
 @pytest.mark.parametrize("pattern", RISING_PATTERNS)
-@pytest.mark.parametrize("tile", ["even", "uneven", "decode"])
-def test_maxima_rising_along_the_walk(tile: str, pattern: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("tile,hd", [("even", 64), ("uneven", 64), ("decode", 64), ("even", 128)])
+def test_maxima_rising_along_the_walk(tile: str, hd: int, pattern: str, dtype: torch.dtype) -> None:
     """Row maxima rising as the kernel walks right to left (attn_check.make_rising_maxima_qkv) on the GPU
     tiles: the result against the float64 reference, one vote per warp and tile after the first (counted by
-    the emulator), and on the slow ramp both outcomes (the references lag on most tiles and move on some)."""
-    hd = 64
+    the emulator), and on the slow ramp both outcomes (the references lag on most tiles and move on some).
+    Head dim 128's `even` runs the same 4 warps x 128 x 64 walk at 255 registers."""
     require_head_dim(hd)
     sq, sk = {"even": (128, 640), "uneven": (100, 600), "decode": (1, 600)}[tile]
     q, k, v = make_rising_maxima_qkv(pattern, dtype, sq=sq, sk=sk, d=hd)
