@@ -88,8 +88,8 @@ struct Sm80Traits : Sm80TraitsCommon<Arch_, Element_, kHeadDim_, kNWarps_ * 32> 
 };
 
 // The forward instantiations of one (head dim, dtype, causal) file: the traits of each static variant
-// (dispatch.h's tile for it), all of one M x N shape, so the variant is picked from flags computed with that shape.  Arch
-// is Sm80Arch on the GPU and the emulated policy under the warp emulator: same tiles for both.
+// (dispatch.h's tile for it), all of one M x N shape, so the variant is picked from flags computed with that
+// shape.  Arch is Sm80Arch on the GPU and the emulated policy under the warp emulator: same tiles for both.
 template <int kHeadDim_, class Element, bool kCausal_, SmemBudget kBudget_, class Arch>
 struct Sm80FwdTiles {
   static constexpr int kHeadDim = kHeadDim_;
