@@ -190,6 +190,13 @@ def test_head_dim_128_prefill_tiles_per_gpu_class(dtype: torch.dtype) -> None:
         assert tile(False, smem_kb, 2000) == ("uneven", 128, 32, 4, 49152, 2)
     assert tile(False, 99, 2048) == ("even", 128, 32, 4, 49152, 2)  # sm_86 / sm_89
     assert tile(True, 99, 2048) == ("even", 128, 32, 4, 49152, 2)
+    # `general` (windows, ALiBi, softcap): 4 warps x 32 keys without causal (a causal sliding window runs
+    # the non-causal file as a local problem), 8 warps x 64 keys with causal, where 4 warps spilled.
+    for smem_kb in (163, 227, 99):
+        local = _C.gpu_tile_config(128, False, smem_kb * 1024, 2048, 2048, False, True, False, False, 1, False)
+        assert (local["variant"], local["block_n"], local["num_warps"], local["ctas_per_sm"]) == ("general", 32, 4, 2)
+        alibi = _C.gpu_tile_config(128, True, smem_kb * 1024, 2048, 2048, False, False, True, False, 1, False)
+        assert (alibi["variant"], alibi["block_n"], alibi["num_warps"], alibi["ctas_per_sm"]) == ("general", 64, 8, 1)
     # The model on those tiles: the 64-key tile meets sm_90's feed bar (2 x 32 x 64 x 128 FMA per warp and
     # tile over (32 + 2 x 64) x 128 x 2 B of ldmatrix plus its quarter of 2 x 64 x 128 x 2 B of cp.async).
     if 128 in flash_ext.build_info()["host_head_dims"]:  # explain() plans a CPU call first

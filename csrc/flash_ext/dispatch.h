@@ -112,8 +112,10 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //        hd 128:   even without causal 4 x 32, N 64 where the budget is sm_80's (255 registers, 0 B;
 //                  re-measured at 27635bb, after the walked K/V partitions and the lagging reference of
 //                  #14 had freed registers: N 64 had spilled 32-440 B on 2026-12-03); even with causal
-//                  and uneven 4 x 32, N 32 (N 64: causal even 88-104 B, uneven 32-88 B);  general,
-//                  dropout 8 x 16, N 64 (4 x 32, N 32: general 8 B, dropout 72 B)
+//                  and uneven 4 x 32, N 32 (N 64: causal even 88-104 B, uneven 32-88 B);  general
+//                  without causal 4 x 32, N 32 (0 B on both archs, re-measured at dc826a3; 8 B on
+//                  2026-12-03);  general with causal and dropout 8 x 16, N 64 (4 x 32, N 32: causal
+//                  general 28 B on sm_80, dropout 40-136 B)
 //        hd 192, 256: 8 x 16 (8 warps already use 235-255 registers)
 //    The 4-warp kernels run at 220-255 registers, so a change to the body is re-checked with
 //    scripts/compile_all.sh.  FA2 runs hd 128 on 4 warps too: 128 x 64 on sm_80/sm_90, 128 x 32 without
@@ -147,7 +149,7 @@ constexpr int sm80_four_warp_block_n(int head_dim, Variant v, bool causal, SmemB
   if (head_dim <= 64) { return lean ? 64 : 32; }
   if (head_dim <= 96) { return fully_static ? 64 : dropout ? 0 : 32; }
   if (head_dim <= 128) {
-    if (!lean) { return 0; }
+    if (!lean) { return !dropout && !causal ? 32 : 0; }
     return fully_static && !causal && budget == SmemBudget::kSm80 ? 64 : 32;
   }
   return 0;
