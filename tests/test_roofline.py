@@ -180,8 +180,8 @@ def test_head_dim_128_prefill_tiles_per_gpu_class(dtype: torch.dtype) -> None:
     if flash_ext.build_info()["gpu_fwd_warps"].startswith("8"):
         pytest.skip("the baseline build runs 128 x 64 on 8 warps everywhere")
 
-    def tile(causal: bool, smem_kb: int, seqlen: int) -> tuple:
-        t = _C.gpu_tile_config(128, causal, smem_kb * 1024, seqlen, seqlen, False, False, False, False, 1, False)
+    def tile(causal: bool, smem_kb: int, seqlen: int, local: bool = False, alibi: bool = False) -> tuple:
+        t = _C.gpu_tile_config(128, causal, smem_kb * 1024, seqlen, seqlen, False, local, alibi, False, 1, False)
         return t["variant"], t["block_m"], t["block_n"], t["num_warps"], t["smem_bytes"], t["ctas_per_sm"]
 
     for smem_kb in (163, 227):  # A100; H100 / H200
@@ -193,10 +193,8 @@ def test_head_dim_128_prefill_tiles_per_gpu_class(dtype: torch.dtype) -> None:
     # `general` (windows, ALiBi, softcap): 4 warps x 32 keys without causal (a causal sliding window runs
     # the non-causal file as a local problem), 8 warps x 64 keys with causal, where 4 warps spilled.
     for smem_kb in (163, 227, 99):
-        local = _C.gpu_tile_config(128, False, smem_kb * 1024, 2048, 2048, False, True, False, False, 1, False)
-        assert (local["variant"], local["block_n"], local["num_warps"], local["ctas_per_sm"]) == ("general", 32, 4, 2)
-        alibi = _C.gpu_tile_config(128, True, smem_kb * 1024, 2048, 2048, False, False, True, False, 1, False)
-        assert (alibi["variant"], alibi["block_n"], alibi["num_warps"], alibi["ctas_per_sm"]) == ("general", 64, 8, 1)
+        assert tile(False, smem_kb, 2048, local=True) == ("general", 128, 32, 4, 49152, 2)
+        assert tile(True, smem_kb, 2048, alibi=True) == ("general", 128, 64, 8, 65536, 1)
     # The model on those tiles: the 64-key tile meets sm_90's feed bar (2 x 32 x 64 x 128 FMA per warp and
     # tile over (32 + 2 x 64) x 128 x 2 B of ldmatrix plus its quarter of 2 x 64 x 128 x 2 B of cp.async).
     if 128 in flash_ext.build_info()["host_head_dims"]:  # explain() plans a CPU call first
