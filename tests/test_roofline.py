@@ -170,11 +170,11 @@ def test_gqa_decode_steps_are_hbm_bound_on_the_decode_tile(head_dim: int, gpu: s
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_head_dim_128_prefill_tiles_per_gpu_class(dtype: torch.dtype) -> None:
-    """dispatch.h's head-dim-128 tiles, as FA2 2.8 chooses them: a non-causal tile-multiple problem runs
-    128 x 64 on 4 warps where a CTA may take 163 KB or more of shared memory (A100, H100, H200: 64 KB each,
-    10.7 FMA per shared byte, sm_90's bar); on sm_86/sm_89's 99 KB that tile would leave one CTA of 4 warps
-    per SM, so they keep 128 x 32 (48 KB, two CTAs).  Causal and odd lengths keep 128 x 32 everywhere (64
-    keys spilled there, nvcc 13.0).  Expected values are the rule's, written by hand."""
+    """dispatch.h's head-dim-128 tiles, as FA2 2.8 chooses them: a tile-multiple problem, causal or not,
+    runs 128 x 64 on 4 warps where a CTA may take 163 KB or more of shared memory (A100, H100, H200: 64 KB
+    each, 10.7 FMA per shared byte, sm_90's bar); on sm_86/sm_89's 99 KB that tile would leave one CTA of 4
+    warps per SM, so they keep 128 x 32 (48 KB, two CTAs).  Odd lengths keep 128 x 32 everywhere (64 keys
+    spilled there, nvcc 13.0).  Expected values are the rule's, written by hand."""
     from flash_ext import _C
 
     if flash_ext.build_info()["gpu_fwd_warps"].startswith("8"):
@@ -186,8 +186,9 @@ def test_head_dim_128_prefill_tiles_per_gpu_class(dtype: torch.dtype) -> None:
 
     for smem_kb in (163, 227):  # A100; H100 / H200
         assert tile(False, smem_kb, 2048) == ("even", 128, 64, 4, 65536, 2)
-        assert tile(True, smem_kb, 2048) == ("even", 128, 32, 4, 49152, 2)
+        assert tile(True, smem_kb, 2048) == ("even", 128, 64, 4, 65536, 2)
         assert tile(False, smem_kb, 2000) == ("uneven", 128, 32, 4, 49152, 2)
+        assert tile(True, smem_kb, 2000) == ("uneven", 128, 32, 4, 49152, 2)
     assert tile(False, 99, 2048) == ("even", 128, 32, 4, 49152, 2)  # sm_86 / sm_89
     assert tile(True, 99, 2048) == ("even", 128, 32, 4, 49152, 2)
     # `general` (windows, ALiBi, softcap): 4 warps x 32 keys without causal (a causal sliding window runs

@@ -109,10 +109,11 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //        hd <= 64: even, uneven 4 x 32 rows, N 64;  general, dropout 4 x 32, N 32 (N 64: 8-120 B)
 //        hd 96:    even 4 x 32, N 64 (uneven at N 64: 8 B on sm_90);  uneven, general 4 x 32, N 32;
 //                  dropout 8 x 16, N 64 (4 x 32, N 32: 32-88 B)
-//        hd 128:   even without causal 4 x 32, N 64 where the budget is sm_80's (255 registers, 0 B;
+//        hd 128:   even 4 x 32, N 64 where the budget is sm_80's (255 registers, 0 B; non-causal
 //                  re-measured at 27635bb, after the walked K/V partitions and the lagging reference of
-//                  #14 had freed registers: N 64 had spilled 32-440 B on 2026-12-03); even with causal
-//                  and uneven 4 x 32, N 32 (N 64: causal even 88-104 B, uneven 32-88 B);  general
+//                  #14 had freed registers: N 64 had spilled 32-440 B on 2026-12-03; causal with the mask
+//                  relative to a thread's first score and the walked masked-tile bounds of mask.h and
+//                  block_info.h, 84-104 B before them);  uneven 4 x 32, N 32 (N 64: 12-82 B);  general
 //                  without causal 4 x 32, N 32 (0 B on both archs, re-measured at dc826a3; 8 B on
 //                  2026-12-03);  general with causal and dropout 8 x 16, N 64 (4 x 32, N 32: causal
 //                  general 28 B on sm_80, dropout 40-136 B)
@@ -121,9 +122,9 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //    scripts/compile_all.sh.  FA2 runs hd 128 on 4 warps too: 128 x 64 on sm_80/sm_90, 128 x 32 without
 //    causal on sm_86/sm_89.
 //  - hd 128's 128 x 64 even tile takes 64 KB of shared memory: one CTA of 4 warps per SM on sm_86/sm_89
-//    (99 KB), where 128 x 32 (48 KB) keeps two.  So that tile depends on the budget, and a non-causal
-//    hd-128 file compiles its even kernel twice (kBudgetMatters, traits_sm80.h); its other variants are
-//    the same kernels under either budget.
+//    (99 KB), where 128 x 32 (48 KB) keeps two.  So that tile depends on the budget, and an hd-128 file
+//    compiles its even kernel twice (kBudgetMatters, traits_sm80.h); its other variants are the same
+//    kernels under either budget.
 //  - At <= 255 registers one CTA of 8 warps fills an SM's 64K registers; a 4-warp CTA leaves room for a
 //    second one (shared memory allows it at every head dim <= 128), so 8 warps per SM overlap MMA, exp2
 //    and cp.async in both cases.
@@ -150,7 +151,7 @@ constexpr int sm80_four_warp_block_n(int head_dim, Variant v, bool causal, SmemB
   if (head_dim <= 96) { return fully_static ? 64 : dropout ? 0 : 32; }
   if (head_dim <= 128) {
     if (!lean) { return !dropout && !causal ? 32 : 0; }
-    return fully_static && !causal && budget == SmemBudget::kSm80 ? 64 : 32;
+    return fully_static && budget == SmemBudget::kSm80 ? 64 : 32;
   }
   return 0;
 }

@@ -141,16 +141,15 @@ struct HostDropoutArgs {
 };
 
 // mask.h's score edits on a whole host tile (HostKernels::mask_scores): s[m + n * lds] for m < rows (a multiple
-// of 16), n < cols, whose first query row and key are row0 and col0.  bias: s -= alibi_slope * |row - key| with
-// row = row0 + m + offset (the row's diagonal, BlockInfo::diagonal), key = col0 + n.  mask: -inf where the key
-// is past seqlen_k, past the diagonal by more than `right` (has_right), or before it by more than `left`
-// (has_left).  The bias comes first, as in ScoreMask::apply.
+// of 16), n < cols, whose first key is col0 and whose first row has its diagonal at key diag0
+// (BlockInfo::diagonal), so row m's is diag0 + m.  bias: s -= alibi_slope * |diag - key| with key = col0 + n.
+// mask: -inf where the key is past seqlen_k, past the diagonal by more than `right` (has_right), or before it
+// by more than `left` (has_left).  The bias comes first, as in ScoreMask::apply.
 struct HostMaskArgs {
   float* s;
   int64_t lds;
   int rows, cols;
-  int row0, col0;
-  int offset;  // seqlen_k - seqlen_q: bottom-right alignment
+  int diag0, col0;
   int seqlen_k;
   bool bias;
   float alibi_slope;

@@ -151,6 +151,8 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   // diagonal), then the fully visible ones, which skip the mask, then the left edge of a local window.  One
   // loop with a CTA-uniform branch rather than three copies of the body: the copies cost registers (hd 256
   // spilled) and compile time, and the static "even" variant has no mask code at all (any_mask is false).
+  ThreadScoreMask<Window<Flags>> const mask(binfo, window, tScS);
+  auto const masked = masked_tiles<kBlockM, kBlockN>(binfo, window, m_block, n_min, n_max);  // used where any_mask
   bool first_tile = true;  // carried, not n_block == n_max - 1: n_max need not stay live across the loop
   for (; n_block >= n_min; --n_block) {
     Tensor acc_s = make_acc_fragment<Traits>(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
@@ -177,12 +179,10 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     }
     if (flags.softcap) { apply_softcap<Traits>(acc_s, params.softcap_prescale); }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
-    bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
-    {
-      ScoreMask<Window<Flags>> const mask{binfo, window,
-                                          alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
-      apply_score_mask<Traits>(mask, scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
-    }
+    // even_mn: every key of every tile is < seqlen_k, so the mask has no sequence-end test.
+    apply_score_mask<Traits>(mask, scores, tScS, row0, n_block * kBlockN, flags.alibi,
+                             alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh),
+                             any_mask && masked(n_block), flags.even_mn);
 
     // V(n_block) has landed; every thread is done reading sK, so K(n_block - 1) may overwrite it and
     // stream in during the softmax and P.V of this tile.

@@ -29,6 +29,8 @@ CUTE_HOST_DEVICE float alibi_slope_in_score_domain(FwdParams const& params, bool
                : 0.f;
 }
 
+// The rule score by score, in absolute rows and keys: the backward's form, built per tile.  (The forward's form
+// below spilled 4-32 bytes in the head-dim-64 backward kernels, compiled in their files, nvcc 13.0.)
 template <class W>  // Window or WindowCopy (block_info.h)
 struct ScoreMask {
   BlockInfo const& binfo;
@@ -60,17 +62,85 @@ struct ScoreMask {
   }
 };
 
-// The tile's score edits: ScoreMask::apply over the thread's fragment, element by element (each GPU thread holds
+// The same rule relative to the thread's first score (coordinate (0, 0) of its fragment): the forward's form,
+// built once per CTA.  Score (i, j) of the tile whose first row and key are row0 and col0 is row0 + r0 + dr,
+// col0 + c0 + dc, with (r0, c0) the thread's first score within a tile; on the GPU dr and dc are compile-time
+// offsets (the partitioned identity tensor), so per score the rule compares them with two per-thread integers
+// built here (the distances from c0 to the sequence end and to row r0's diagonal), shifted by the tile's row0
+// and col0.  With ScoreMask's absolute rows and keys the forward's loop kept a bound per register row and the
+// sequence lengths live, and the head-dim-128 64-key causal kernels spilled 84-104 bytes (docs/perf.md, "the
+// causal mask relative to a thread's first score").
+template <class W>  // Window or WindowCopy (block_info.h)
+struct ThreadScoreMask {
+  W const& window;
+  int to_end;   // seqlen_k - c0: in the tile at col0, keys dc >= to_end - col0 are past the sequence
+  int to_diag;  // diagonal(r0) - c0: in the tile at (row0, col0), key dc of row dr lies dc - dr - (to_diag +
+                // row0 - col0) right of its row's diagonal
+
+  // coord: the (row, col) view of the thread's identity fragment (coord(i, j) is its place within a tile).
+  template <class Coord>
+  CUTE_HOST_DEVICE ThreadScoreMask(BlockInfo const& binfo, W const& window, Coord const& coord) : window(window) {
+    auto const c00 = coord(0, 0);
+    to_end = binfo.seqlen_k - cute::get<1>(c00);
+    to_diag = binfo.diagonal(cute::get<0>(c00)) - cute::get<1>(c00);
+  }
+
+  // As ScoreMask::apply, with the ALiBi slope (in the score domain) passed per call.  keys_in_range: the caller
+  // knows that every key of the tile is < seqlen_k (a static true drops that test from the code).
+  template <class Acc, class Coord, class KeysInRange = bool>
+  CUTE_HOST_DEVICE void apply(Acc& acc, Coord const& coord, int row0, int col0, bool apply_bias, float alibi_slope,
+                              bool need_mask, KeysInRange keys_in_range = false) const {
+    using namespace cute;
+    if (!apply_bias && !need_mask) { return; }
+    auto const c00 = coord(0, 0);
+    int const end = to_end - col0, diag = to_diag + row0 - col0;
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(acc); ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(acc); ++j) {
+        int const dr = get<0>(coord(i, j)) - get<0>(c00);
+        int const dc = get<1>(coord(i, j)) - get<1>(c00);
+        int const past_diag = dc - dr - diag;  // the key's column minus its row's diagonal
+        if (apply_bias) { acc(i, j) -= alibi_slope * float(past_diag < 0 ? -past_diag : past_diag); }
+        if (need_mask) {
+          bool const hidden = (!keys_in_range && dc >= end) || (window.has_right() && past_diag > window.right()) ||
+                              (window.has_left() && past_diag < -window.left());
+          if (hidden) { acc(i, j) = -INFINITY; }
+        }
+      }
+    }
+  }
+};
+
+// The tile's score edits: the mask's apply over the thread's fragment, element by element (each GPU thread holds
 // a few scores of a row); or, on traits whose one thread holds the whole tile as a column-major fragment (the
-// host), their whole-tile mask_scores, which applies the same rule a column at a time (HostMaskArgs).  row0 and
-// col0 place the tile; coord maps the fragment's (row, col) into it.
+// host), their whole-tile mask_scores, which applies the same rule a column at a time (HostMaskArgs) from the
+// tile's first row's diagonal.  row0 and col0 place the tile; coord maps the fragment's (row, col) into it.
 template <class Traits, class W, class Scores, class Coord>
 CUTE_HOST_DEVICE void apply_score_mask(ScoreMask<W> const& mask, Scores& scores, Coord const& coord, int row0, int col0,
                                        bool apply_bias, bool need_mask) {
   if constexpr (Traits::kIsHost) {
-    if (apply_bias || need_mask) { Traits::mask_scores(mask, scores, row0, col0, apply_bias, need_mask); }
+    if (apply_bias || need_mask) {
+      Traits::mask_scores(scores, mask.window, mask.binfo.diagonal(row0), mask.binfo.seqlen_k, col0, apply_bias,
+                          mask.alibi_slope, need_mask);
+    }
   } else {
     mask.apply(scores, coord, row0, col0, apply_bias, need_mask);
+  }
+}
+
+// The host's fragment starts at the tile's (0, 0): to_diag is row 0's diagonal and to_end is seqlen_k.
+template <class Traits, class W, class Scores, class Coord, class KeysInRange = bool>
+CUTE_HOST_DEVICE void apply_score_mask(ThreadScoreMask<W> const& mask, Scores& scores, Coord const& coord, int row0,
+                                       int col0, bool apply_bias, float alibi_slope, bool need_mask,
+                                       KeysInRange keys_in_range = false) {
+  if constexpr (Traits::kIsHost) {
+    if (apply_bias || need_mask) {
+      Traits::mask_scores(scores, mask.window, mask.to_diag + row0, mask.to_end, col0, apply_bias, alibi_slope,
+                          need_mask);
+    }
+  } else {
+    mask.apply(scores, coord, row0, col0, apply_bias, alibi_slope, need_mask, keys_in_range);
   }
 }
 

@@ -626,20 +626,20 @@ struct HostTraits : PlainGlobalMemory {
   static bool warp_any(bool p) { return p; }  // a CTA of one thread is its own warp
 
   // apply_score_mask's host form: the whole tile at once (HostKernels::mask_scores).  scores (M, N) is the (row,
-  // col) view of the column-major S fragment, whose (i, j) is the tile's (i, j) (test_traits checks it).
+  // col) view of the column-major S fragment, whose (i, j) is the tile's (i, j) (test_traits checks it); diag0
+  // is the diagonal of the tile's first row.
   template <class W, class Scores>
-  static void mask_scores(ScoreMask<W> const& mask, Scores& scores, int row0, int col0, bool bias, bool need_mask) {
+  static void mask_scores(Scores& scores, W const& window, int diag0, int seqlen_k, int col0, bool bias,
+                          float alibi_slope, bool need_mask) {
     using namespace cute;
     static_assert(host_mode_stride(layout<0>(typename Scores::layout_type{})) == 1, "column-major S: rows contiguous");
-    BlockInfo const& binfo = mask.binfo;
-    HostMaskArgs const a{&scores(0, 0),         host_mode_stride(layout<1>(scores)),
-                         int(size<0>(scores)),  int(size<1>(scores)),
-                         row0,                  col0,
-                         binfo.diagonal(0),     binfo.seqlen_k,
-                         bias,                  mask.alibi_slope,
-                         need_mask,             mask.window.has_left(),
-                         mask.window.has_right(), mask.window.left(),
-                         mask.window.right()};
+    HostMaskArgs const a{&scores(0, 0),   host_mode_stride(layout<1>(scores)),
+                         int(size<0>(scores)), int(size<1>(scores)),
+                         diag0,           col0,
+                         seqlen_k,        bias,
+                         alibi_slope,     need_mask,
+                         window.has_left(), window.has_right(),
+                         window.left(),   window.right()};
     host_kernels().mask_scores(a);
   }
 

@@ -2,7 +2,9 @@
 // every grid stays inside the limits, and the block decode is a bijection from the valid blocks onto the
 // work items (m_block, batch, head, split) -- checked exhaustively where the grid is small enough, and at the
 // boundaries (first and last blocks of each z row) where it is not.  Also the forward's walk over K/V tiles
-// (block_info.h): stepping tile by tile from the right-most one lands on each tile's own address.
+// (block_info.h): stepping tile by tile from the right-most one lands on each tile's own address; and its
+// visible range and masked tiles against the visibility rule row by row.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -144,7 +146,80 @@ void kv_tile_walk(int block_n, bool paged, bool varlen) {
   }
 }
 
+// The forward's K/V tile range and masked tiles (block_info.h) against the visibility rule taken row by row:
+// row r sees keys [diag(r) - left, diag(r) + right] (a side without a bound: unbounded) within [0, seqlen_k),
+// diag(r) = r + seqlen_k - seqlen_q.  For each row block: no tile outside [n_block_min, n_block_max) holds a key
+// that one of its rows (< seqlen_q) sees; tile_fully_visible is true exactly where every row of the block
+// (kBlockM of them, as the kernel's mask treats them) sees every key of the tile; and the walked bounds
+// (walk_masked_tiles) and the per-tile form (TileRule) mark exactly the other tiles of the range.
+struct TestWindow {
+  bool l, r;
+  int left_, right_;
+  bool has_left() const { return l; }
+  bool has_right() const { return r; }
+  int left() const { return left_; }
+  int right() const { return right_; }
+};
+
+template <int kBlockM, int kBlockN>
+int masked_tiles_against_rule(int seqlen_q, int seqlen_k, TestWindow w) {
+  FwdParams p{};
+  p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  BlockInfo const binfo(p, 0);
+  auto lo = [&](int64_t r) { return w.l ? std::max<int64_t>(0, binfo.diagonal(int(r)) - int64_t(w.left_)) : 0; };
+  auto hi = [&](int64_t r) {  // one past the last key row r sees
+    return std::min<int64_t>(seqlen_k, w.r ? binfo.diagonal(int(r)) + int64_t(w.right_) + 1 : seqlen_k);
+  };
+  int wrong = 0;
+  for (int m_block = 0; m_block * kBlockM < seqlen_q; ++m_block) {
+    int const row0 = m_block * kBlockM;
+    int const n_min = n_block_min<kBlockM, kBlockN>(binfo, w, m_block);
+    int const n_max = n_block_max<kBlockM, kBlockN>(binfo, w, m_block);
+    MaskedTiles const walked = walk_masked_tiles<kBlockM, kBlockN>(binfo, w, m_block, n_min, n_max);
+    TileRule<kBlockM, kBlockN, TestWindow> const rule{binfo, w, m_block};
+    for (int n = 0; n * kBlockN < seqlen_k; ++n) {
+      int64_t const c0 = int64_t(n) * kBlockN, c1 = c0 + kBlockN;  // the tile's keys [c0, c1)
+      bool any_seen = false, all_seen = true;
+      for (int64_t r = row0; r < row0 + kBlockM; ++r) {
+        if (r < seqlen_q) { any_seen = any_seen || std::max(lo(r), c0) < std::min(hi(r), c1); }
+        all_seen = all_seen && lo(r) <= c0 && c1 <= hi(r);
+      }
+      if (n < n_min || n >= n_max) {
+        wrong += any_seen;
+        continue;
+      }
+      wrong += tile_fully_visible<kBlockM, kBlockN>(binfo, w, m_block, n) != all_seen;
+      wrong += walked(n) == all_seen;
+      wrong += rule(n) == all_seen;
+    }
+  }
+  return wrong;
+}
+
+void masked_tiles() {
+  int const lens[][2] = {{1, 1}, {1, 300}, {100, 300}, {300, 100}, {256, 256}, {257, 255}, {200, 1000}, {1000, 200}};
+  TestWindow const windows[] = {
+      {false, false, 0, 0}, {false, true, 0, 0}, {false, true, 0, 5},    {true, false, 17, 0}, {true, true, 17, 5},
+      {true, true, 0, 0},   {true, true, 3, 3},  {true, true, 150, 70}, {false, true, 0, 2000},
+  };
+  int cases = 0;
+  for (auto const& len : lens) {
+    for (TestWindow const& w : windows) {
+      int const wrong = masked_tiles_against_rule<128, 64>(len[0], len[1], w) +
+                        masked_tiles_against_rule<128, 32>(len[0], len[1], w) +
+                        masked_tiles_against_rule<64, 64>(len[0], len[1], w) +
+                        masked_tiles_against_rule<16, 64>(len[0], len[1], w) +
+                        masked_tiles_against_rule<64, 128>(len[0], len[1], w);
+      CHECK(wrong == 0, "masked tiles, seqlen_q %d, seqlen_k %d, window (%d: %d, %d: %d): %d tiles wrong", len[0],
+            len[1], w.l, w.left_, w.r, w.right_, wrong);
+      cases += 5;
+    }
+  }
+  std::printf("masked tiles: %d (lengths, window, tile) cases against the rule row by row\n", cases);
+}
+
 int main() {
+  masked_tiles();
   for (int block_n : {16, 32, 64, 128}) {
     kv_tile_walk(block_n, /*paged=*/false, /*varlen=*/false);
     kv_tile_walk(block_n, /*paged=*/false, /*varlen=*/true);

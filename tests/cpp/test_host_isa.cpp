@@ -773,10 +773,15 @@ void check_exp2_rows(HostKernels const& k) {
   std::printf("  exp2_rows: max relative error %.2g, dS exact\n", worst);
 }
 
-// mask_scores against ScoreMask::apply itself (mask.h, the GPU's element-by-element rule it stands in for) on
-// the same tile: causal, local windows on either side or both, windows past any tile, bottom-right alignment
-// (seqlen_q != seqlen_k both ways), keys past seqlen_k, ALiBi with and without a mask.  Hidden scores must be
-// -inf exactly where the rule hides them; the bias may differ by the rounding of one fused multiply-add.
+// mask_scores and the GPU's element-by-element rule that it stands in for, in both forms (mask.h: ScoreMask,
+// the backward's, and ThreadScoreMask, the forward's), against the rule written here with absolute rows and
+// keys: row r sees key c when c < seqlen_k, c <= diag(r) + right (has_right) and c >= diag(r) - left
+// (has_left), diag(r) = r + seqlen_k - seqlen_q; the ALiBi bias is slope * |diag(r) - c|.  Cases: causal, local windows on either side or both, windows past any tile,
+// bottom-right alignment (seqlen_q != seqlen_k both ways), keys past seqlen_k, ALiBi with and without a mask.
+// Both also run on a thread's share of the tile as the GPU partitions it (every other row from an odd first row,
+// every third key from the third): ThreadScoreMask's arithmetic is relative to the thread's first score.
+// Hidden scores must be -inf exactly where the rule hides them; the bias may differ by the rounding of one
+// fused multiply-add.
 struct TestWindow {
   bool l, r;
   int left_, right_;
@@ -806,46 +811,84 @@ void check_mask_scores(HostKernels const& k) {
       {300, 150, 128, 130, {false, false, 0, 0}, false, true},    // keys past seqlen_k only
       {300, 300, 64, 160, {false, false, 0, 0}, true, false},     // ALiBi only
       {200, 300, 64, 96, {true, true, 9, 0}, true, true},         // ALiBi and a local causal window
+      {90, 300, 0, 230, {false, true, 0, 0}, true, true},         // causal ALiBi, keys past seqlen_k
   };
   int const rows = 48, cols = 37;
   int64_t const lds = rows + 16;
+  float const slope = 0.0625f;
   std::normal_distribution<float> nd;
-  int wrong_hidden = 0, touched = 0;
+  int wrong_hidden = 0, touched = 0, hidden_seen = 0;
   double worst_bias = 0.;
+  // v: the tile's scores before the edits; got: after.  (r, c): the score's row and key in the problem.
+  auto compare = [&](float v, float got, int r, int c, Case const& cs) {
+    int const diag = r + cs.seqlen_k - cs.seqlen_q;
+    bool const hidden = cs.mask && (c >= cs.seqlen_k || (cs.w.r && int64_t(c) > int64_t(diag) + cs.w.right_) ||
+                                    (cs.w.l && int64_t(c) < int64_t(diag) - cs.w.left_));
+    hidden_seen += hidden;
+    if (hidden || std::isinf(got)) {
+      wrong_hidden += !(hidden && std::isinf(got) && got < 0);
+      return;
+    }
+    float const want = cs.bias ? v - slope * float(std::abs(diag - c)) : v;
+    worst_bias = std::max(worst_bias, double(std::fabs(got - want)) / (1. + std::fabs(want)));
+  };
   for (Case const& c : cases) {
     FwdParams params{};
     params.seqlen_q = c.seqlen_q, params.seqlen_k = c.seqlen_k;
     BlockInfo const binfo(params, 0);
-    ScoreMask<TestWindow> const mask{binfo, c.w, 0.0625f};
     std::vector<float> got(size_t(lds) * (cols + 1));
     for (auto& x : got) { x = nd(g_rng) * 8.f; }
-    std::vector<float> want = got;
-    Tensor ref = make_tensor(want.data(), make_layout(make_shape(rows, cols), make_stride(1, lds)));
-    mask.apply(ref, make_identity_tensor(make_shape(rows, cols)), c.row0, c.col0, c.bias, c.mask);
     std::vector<float> const before = got;
-    HostMaskArgs const a{got.data(), lds, rows, cols, c.row0, c.col0, binfo.diagonal(0), binfo.seqlen_k, c.bias,
-                         mask.alibi_slope, c.mask, c.w.l, c.w.r, c.w.left_, c.w.right_};
+    // The whole tile, as the host holds it: both masks' apply and mask_scores.
+    auto const tile_coord = make_identity_tensor(make_shape(rows, cols));
+    ScoreMask<TestWindow> const mask{binfo, c.w, slope};
+    ThreadScoreMask<TestWindow> const tmask(binfo, c.w, tile_coord);
+    std::vector<float> ref = before, tref = before;
+    auto view = [&](std::vector<float>& v) {
+      return make_tensor(v.data(), make_layout(make_shape(rows, cols), make_stride(1, lds)));
+    };
+    Tensor ref_view = view(ref), tref_view = view(tref);
+    mask.apply(ref_view, tile_coord, c.row0, c.col0, c.bias, c.mask);
+    tmask.apply(tref_view, tile_coord, c.row0, c.col0, c.bias, slope, c.mask);
+    HostMaskArgs const a{got.data(), lds,  rows,          cols,      binfo.diagonal(c.row0), c.col0, binfo.seqlen_k,
+                         c.bias,     slope, c.mask,        c.w.l,     c.w.r,                  c.w.left_, c.w.right_};
     k.mask_scores(a);
     for (int n = 0; n <= cols; ++n) {
       for (int m = 0; m < lds; ++m) {
         size_t const i = m + size_t(n) * lds;
         if (n == cols || m >= rows) {
-          touched += std::memcmp(&got[i], &before[i], 4) != 0;
+          touched += std::memcmp(&got[i], &before[i], 4) != 0 || std::memcmp(&ref[i], &before[i], 4) != 0 ||
+                     std::memcmp(&tref[i], &before[i], 4) != 0;
           continue;
         }
-        if (std::isinf(want[i]) || std::isinf(got[i])) {
-          wrong_hidden += !(std::isinf(want[i]) && std::isinf(got[i]) && got[i] < 0);
-          continue;
-        }
-        worst_bias = std::max(worst_bias, double(std::fabs(got[i] - want[i])) / (1. + std::fabs(want[i])));
+        for (float const* out : {&got[i], &ref[i], &tref[i]}) { compare(before[i], *out, c.row0 + m, c.col0 + n, c); }
       }
     }
+    // One thread's share: rows 1, 3, ..., keys 2, 5, 8, ... of the tile.
+    int const trows = rows / 2, tcols = cols / 3;
+    auto const thread_coord = [](int i, int j) { return make_tuple(1 + 2 * i, 2 + 3 * j); };
+    ThreadScoreMask<TestWindow> const share_mask(binfo, c.w, thread_coord);
+    std::vector<float> part(size_t(trows) * tcols);
+    for (int j = 0; j < tcols; ++j)
+      for (int i = 0; i < trows; ++i) { part[i + size_t(j) * trows] = before[1 + 2 * i + size_t(2 + 3 * j) * lds]; }
+    std::vector<float> const part_before = part;
+    std::vector<float> apart = part;
+    Tensor tpart = make_tensor(part.data(), make_layout(make_shape(trows, tcols)));
+    Tensor tapart = make_tensor(apart.data(), make_layout(make_shape(trows, tcols)));
+    share_mask.apply(tpart, thread_coord, c.row0, c.col0, c.bias, slope, c.mask);
+    mask.apply(tapart, thread_coord, c.row0, c.col0, c.bias, c.mask);
+    for (int j = 0; j < tcols; ++j)
+      for (int i = 0; i < trows; ++i) {
+        size_t const e = i + size_t(j) * trows;
+        compare(part_before[e], part[e], c.row0 + 1 + 2 * i, c.col0 + 2 + 3 * j, c);
+        compare(part_before[e], apart[e], c.row0 + 1 + 2 * i, c.col0 + 2 + 3 * j, c);
+      }
   }
-  CHECK(wrong_hidden == 0 && touched == 0 && worst_bias < 1e-6,
-        "%s mask_scores: %d scores hidden on one side only, %d values outside the tile changed, bias off by %.3g",
-        k.name, wrong_hidden, touched, worst_bias);
-  std::printf("  mask_scores: %zu cases as ScoreMask::apply, bias within %.2g\n", sizeof(cases) / sizeof(cases[0]),
-              worst_bias);
+  CHECK(wrong_hidden == 0 && touched == 0 && worst_bias < 1e-6 && hidden_seen > 0,
+        "%s mask_scores / ScoreMask / ThreadScoreMask: %d scores hidden on one side only, %d values outside the tile changed, "
+        "bias off by %.3g (%d hidden scores seen)", k.name, wrong_hidden, touched, worst_bias, hidden_seen);
+  std::printf("  mask_scores, ScoreMask and ThreadScoreMask: %zu cases against the rule, bias within %.2g\n",
+              sizeof(cases) / sizeof(cases[0]), worst_bias);
 }
 
 void check_level(HostKernels const& k) {

@@ -1952,12 +1952,12 @@ void softmax_rescale(HostSoftmaxArgs const& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// ScoreMask::apply's edits on a whole column-major tile (HostMaskArgs).  Its rule solved for the row: with
-// diag = row + offset, a key col is hidden right of the diagonal where col > diag + right, i.e. row < col - offset
-// - right, and left of it where col < diag - left, i.e. row > col - offset + left.  So in each column (rows
+// ScoreMask::apply's edits on a whole column-major tile (HostMaskArgs).  Its rule solved for the row: row m's
+// diagonal is diag0 + m, so a key col is hidden right of the diagonal where col > diag0 + m + right, i.e. m < col -
+// diag0 - right, and left of it where col < diag0 + m - left, i.e. m > col - diag0 + left.  So in each column (rows
 // contiguous) the hidden scores are a prefix and a suffix of the rows, or all of them past seqlen_k: filled, not
 // tested score by score (the element-wise rule on the host was a quarter of a causal prefill's time, its
-// coordinates and window flags worked out per score; docs/perf.md).  The bias is |row - key| per score, as
+// coordinates and window flags worked out per score; docs/perf.md).  The bias is |diag - key| per score, as
 // exact integers converted to fp32 as ScoreMask converts them.
 void mask_scores(HostMaskArgs const& a) {
   int const rows = a.rows;
@@ -1969,7 +1969,7 @@ void mask_scores(HostMaskArgs const& a) {
     float* const s = a.s + int64_t(n) * a.lds;
     int64_t const col = int64_t(a.col0) + n;
     if (a.bias) {  // the first row's diagonal minus the key, in int as ScoreMask::apply computes it
-      int const first = int(int64_t(a.row0) + a.offset - col);
+      int const first = int(int64_t(a.diag0) - col);
       for (int m0 = 0; m0 < rows; m0 += kLanes) {
         vi const d = lane + (first + m0);
         vf const distance = __builtin_convertvector(d < 0 ? -d : d, vf);
@@ -1982,8 +1982,8 @@ void mask_scores(HostMaskArgs const& a) {
     if (col >= a.seqlen_k) {
       hi = 0;
     } else {
-      if (a.has_right) { lo = col - a.offset - a.right - a.row0; }
-      if (a.has_left) { hi = col - a.offset + a.left + 1 - a.row0; }
+      if (a.has_right) { lo = col - a.diag0 - a.right; }
+      if (a.has_left) { hi = col - a.diag0 + a.left + 1; }
     }
     lo = lo < 0 ? 0 : lo > rows ? rows : lo;
     hi = hi < 0 ? 0 : hi > rows ? rows : hi;
