@@ -3,11 +3,8 @@
 // Tiles outside that range are never loaded; tiles inside it that every row sees in full skip the mask.
 #pragma once
 
-#include <type_traits>
-
 #include <cute/config.hpp>
 #include <cute/algorithm/functional.hpp>
-#include <cute/numeric/integral_constant.hpp>
 
 #include "global_memory.h"
 #include "params.h"
@@ -183,34 +180,22 @@ CUTE_HOST_DEVICE bool tile_fully_visible(BlockInfo const& binfo, W const& w, int
   return visible;
 }
 
-// How the forward tells the K/V tiles whose scores need the mask (tile_fully_visible fails) from the rest; two
-// forms with one interface (masked(n_block)), chosen by the window's type, as measured in registers (nvcc 13.0,
-// head dim 128, docs/perf.md "the causal mask relative to a thread's first score"):
-//  * MaskedTiles: two bounds, tiles n >= right_from and n < left_below.  The rule fails at the ends of the range
-//    only (keys past seqlen_k or right of a row's window at the right end, keys left of a window at the left
-//    end), so the bounds are found by walking in from either end, one step per masked tile (a causal CTA: at
-//    most ceil(kBlockM / kBlockN) + 1).  Without a left window side by type, left_below is n_min, a constant, and
-//    the loop holds one register for the test.  Evaluating the rule per tile instead kept its inputs (the
-//    sequence lengths) live across the loop: the 64-key causal kernel spilled 84-100 bytes, and 0 with this.
-//  * TileRule: the rule per tile, where the window is a runtime flag (`general`, `dropout`, decode).  There the
-//    two bounds were two registers more than the rule's inputs: the `general` kernel spilled 38 bytes on sm_90.
+// The K/V tiles of [n_min, n_max) whose scores need the mask (tile_fully_visible fails), as two bounds: tiles
+// n >= right_from and n < left_below.  The rule fails at the ends of the range only (keys past seqlen_k or right
+// of a row's window at the right end, keys left of a window at the left end), so the bounds are found by walking
+// in from either end, one step per masked tile (a causal CTA: at most ceil(kBlockM / kBlockN) + 1).  Without a
+// left window side by type, left_below is n_min, a constant.  The forward's static-window variants test their
+// tile against these (kernel_fwd.h): evaluating the rule per tile kept its inputs (the sequence lengths, the row
+// block) live across the loop, and the head-dim-128 64-key causal kernel spilled 84-100 bytes; 0 with these
+// (bounds in closed form, by a division, spilled as much; docs/perf.md, "the causal mask relative to a
+// thread's first score").
 struct MaskedTiles {
   int right_from, left_below;
   CUTE_HOST_DEVICE bool operator()(int n_block) const { return n_block >= right_from || n_block < left_below; }
 };
 
 template <int kBlockM, int kBlockN, class W>
-struct TileRule {
-  BlockInfo const& binfo;
-  W const& window;
-  int m_block;
-  CUTE_HOST_DEVICE bool operator()(int n_block) const {
-    return !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
-  }
-};
-
-template <int kBlockM, int kBlockN, class W>
-CUTE_HOST_DEVICE MaskedTiles walk_masked_tiles(BlockInfo const& binfo, W const& w, int m_block, int n_min, int n_max) {
+CUTE_HOST_DEVICE MaskedTiles masked_tiles(BlockInfo const& binfo, W const& w, int m_block, int n_min, int n_max) {
   MaskedTiles t{n_max, n_min};
   while (t.right_from > n_min && !tile_fully_visible<kBlockM, kBlockN>(binfo, w, m_block, t.right_from - 1)) {
     --t.right_from;
@@ -221,16 +206,6 @@ CUTE_HOST_DEVICE MaskedTiles walk_masked_tiles(BlockInfo const& binfo, W const& 
     }
   }
   return t;
-}
-
-// The form for the forward's loop over [n_min, n_max) of row block m_block (see above).
-template <int kBlockM, int kBlockN, class Flags>
-CUTE_HOST_DEVICE auto masked_tiles(BlockInfo const& binfo, Window<Flags> const& w, int m_block, int n_min, int n_max) {
-  if constexpr (std::is_same_v<decltype(Flags::local), cute::C<false>>) {
-    return walk_masked_tiles<kBlockM, kBlockN>(binfo, w, m_block, n_min, n_max);
-  } else {
-    return TileRule<kBlockM, kBlockN, Window<Flags>>{binfo, w, m_block};
-  }
 }
 
 }  // namespace flash_ext

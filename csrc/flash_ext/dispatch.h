@@ -116,7 +116,8 @@ constexpr BlockShape sm80_block_shape(int head_dim, SmemBudget /*budget*/ = Smem
 //                  block_info.h, 84-104 B before them);  uneven 4 x 32, N 32 (N 64: 12-82 B);  general
 //                  without causal 4 x 32, N 32 (0 B on both archs, re-measured at dc826a3; 8 B on
 //                  2026-12-03);  general with causal and dropout 8 x 16, N 64 (4 x 32, N 32: causal
-//                  general 28 B on sm_80, dropout 40-136 B)
+//                  general 28 B on sm_80 at dc826a3, 0 B on sm_80 and 24 B on sm_90 at 023c62d; dropout
+//                  40-136 B)
 //        hd 192, 256: 8 x 16 (8 warps already use 235-255 registers)
 //    The 4-warp kernels run at 220-255 registers, so a change to the body is re-checked with
 //    scripts/compile_all.sh.  FA2 runs hd 128 on 4 warps too: 128 x 64 on sm_80/sm_90, 128 x 32 without

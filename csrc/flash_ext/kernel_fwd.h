@@ -147,12 +147,25 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   using AccSLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
   OnlineSoftmax<Traits, kNRows> softmax;
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
+  // The mask in two forms (mask.h).  Where the window has no left side by type (`even`, `uneven`):
+  // ThreadScoreMask and the masked tiles' bounds (block_info.h), both built here.  Elsewhere ScoreMask and
+  // tile_fully_visible per tile, as written in the loop (placed there, they keep the runtime-window kernels'
+  // loop as it was; docs/perf.md, "the causal mask relative to a thread's first score").
+  constexpr bool kThreadMask = kThreadScoreMask<Flags>;
+  auto const thread_mask = [&] {
+    if constexpr (kThreadMask) { return ThreadScoreMask<Window<Flags>>(binfo, window, tScS); } else { return 0; }
+  }();
+  auto const masked = [&] {
+    if constexpr (kThreadMask) {
+      return masked_tiles<kBlockM, kBlockN>(binfo, window, m_block, n_min, n_max);
+    } else {
+      return 0;
+    }
+  }();
   // Right to left over [n_min, n_max): first the tiles some row sees only in part (sequence end, causal
   // diagonal), then the fully visible ones, which skip the mask, then the left edge of a local window.  One
   // loop with a CTA-uniform branch rather than three copies of the body: the copies cost registers (hd 256
   // spilled) and compile time, and the static "even" variant has no mask code at all (any_mask is false).
-  ThreadScoreMask<Window<Flags>> const mask(binfo, window, tScS);
-  auto const masked = masked_tiles<kBlockM, kBlockN>(binfo, window, m_block, n_min, n_max);  // used where any_mask
   bool first_tile = true;  // carried, not n_block == n_max - 1: n_max need not stay live across the loop
   for (; n_block >= n_min; --n_block) {
     Tensor acc_s = make_acc_fragment<Traits>(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N)
@@ -179,10 +192,18 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
     }
     if (flags.softcap) { apply_softcap<Traits>(acc_s, params.softcap_prescale); }
     Tensor scores = acc_rowcol<Traits::kAccValCols>(acc_s);                                  // (ROWS,COLS)
-    // even_mn: every key of every tile is < seqlen_k, so the mask has no sequence-end test.
-    apply_score_mask<Traits>(mask, scores, tScS, row0, n_block * kBlockN, flags.alibi,
-                             alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh),
-                             any_mask && masked(n_block), flags.even_mn);
+    if constexpr (kThreadMask) {
+      bool const need_mask = any_mask && masked(n_block);
+      // A static true even_mn: every key of every tile is < seqlen_k.
+      apply_score_mask<Traits>(thread_mask, scores, tScS, row0, n_block * kBlockN, flags.alibi,
+                               alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh), need_mask,
+                               flags.even_mn);
+    } else {
+      bool const need_mask = any_mask && !tile_fully_visible<kBlockM, kBlockN>(binfo, window, m_block, n_block);
+      ScoreMask<Window<Flags>> const mask{binfo, window,
+                                          alibi_slope_in_score_domain<Traits>(params, flags.alibi, bidb, bidh)};
+      apply_score_mask<Traits>(mask, scores, tScS, row0, n_block * kBlockN, flags.alibi, need_mask);
+    }
 
     // V(n_block) has landed; every thread is done reading sK, so K(n_block - 1) may overwrite it and
     // stream in during the softmax and P.V of this tile.

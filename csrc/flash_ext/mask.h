@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -29,8 +30,10 @@ CUTE_HOST_DEVICE float alibi_slope_in_score_domain(FwdParams const& params, bool
                : 0.f;
 }
 
-// The rule score by score, in absolute rows and keys: the backward's form, built per tile.  (The forward's form
-// below spilled 4-32 bytes in the head-dim-64 backward kernels, compiled in their files, nvcc 13.0.)
+// The rule score by score, in absolute rows and keys, built per tile: the backward's form, and the forward's
+// where the window is a runtime flag (`general`, `dropout`, `decode`).  In the backward ThreadScoreMask below
+// spilled 4-32 bytes (head dim 64, in its files); in the forward's runtime-window kernels it was not kept
+// (docs/perf.md, "the causal mask relative to a thread's first score").
 template <class W>  // Window or WindowCopy (block_info.h)
 struct ScoreMask {
   BlockInfo const& binfo;
@@ -62,14 +65,14 @@ struct ScoreMask {
   }
 };
 
-// The same rule relative to the thread's first score (coordinate (0, 0) of its fragment): the forward's form,
-// built once per CTA.  Score (i, j) of the tile whose first row and key are row0 and col0 is row0 + r0 + dr,
-// col0 + c0 + dc, with (r0, c0) the thread's first score within a tile; on the GPU dr and dc are compile-time
-// offsets (the partitioned identity tensor), so per score the rule compares them with two per-thread integers
-// built here (the distances from c0 to the sequence end and to row r0's diagonal), shifted by the tile's row0
-// and col0.  With ScoreMask's absolute rows and keys the forward's loop kept a bound per register row and the
-// sequence lengths live, and the head-dim-128 64-key causal kernels spilled 84-104 bytes (docs/perf.md, "the
-// causal mask relative to a thread's first score").
+// The same rule relative to the thread's first score (coordinate (0, 0) of its fragment): the forward's form
+// where the window has no left side by type (`even`, `uneven`), built once per CTA.  Score (i, j) of the tile
+// whose first row and key are row0 and col0 is row0 + r0 + dr, col0 + c0 + dc, with (r0, c0) the thread's first
+// score within a tile; on the GPU dr and dc are compile-time offsets (the partitioned identity tensor), so per
+// score the rule compares them with two per-thread integers built here (the distances from c0 to the sequence
+// end and to row r0's diagonal), shifted by the tile's row0 and col0.  With ScoreMask's absolute rows and keys
+// the forward's loop kept a bound per register row and the sequence lengths live, and the head-dim-128 64-key
+// causal kernels spilled 84-104 bytes (docs/perf.md, "the causal mask relative to a thread's first score").
 template <class W>  // Window or WindowCopy (block_info.h)
 struct ThreadScoreMask {
   W const& window;
@@ -85,8 +88,8 @@ struct ThreadScoreMask {
     to_diag = binfo.diagonal(cute::get<0>(c00)) - cute::get<1>(c00);
   }
 
-  // As ScoreMask::apply, with the ALiBi slope (in the score domain) passed per call.  keys_in_range: the caller
-  // knows that every key of the tile is < seqlen_k (a static true drops that test from the code).
+  // As ScoreMask::apply, the slope passed per call.  keys_in_range: the caller knows that every key of the tile
+  // is < seqlen_k (a static true drops that test from the code).
   template <class Acc, class Coord, class KeysInRange = bool>
   CUTE_HOST_DEVICE void apply(Acc& acc, Coord const& coord, int row0, int col0, bool apply_bias, float alibi_slope,
                               bool need_mask, KeysInRange keys_in_range = false) const {
@@ -129,7 +132,8 @@ CUTE_HOST_DEVICE void apply_score_mask(ScoreMask<W> const& mask, Scores& scores,
   }
 }
 
-// The host's fragment starts at the tile's (0, 0): to_diag is row 0's diagonal and to_end is seqlen_k.
+// The same for ThreadScoreMask, the slope passed per call.  The host's fragment starts at the tile's (0, 0), so
+// its first row's diagonal is to_diag + row0 and to_end is seqlen_k.
 template <class Traits, class W, class Scores, class Coord, class KeysInRange = bool>
 CUTE_HOST_DEVICE void apply_score_mask(ThreadScoreMask<W> const& mask, Scores& scores, Coord const& coord, int row0,
                                        int col0, bool apply_bias, float alibi_slope, bool need_mask,
@@ -143,5 +147,10 @@ CUTE_HOST_DEVICE void apply_score_mask(ThreadScoreMask<W> const& mask, Scores& s
     mask.apply(scores, coord, row0, col0, apply_bias, alibi_slope, need_mask, keys_in_range);
   }
 }
+
+// Whether the forward masks with ThreadScoreMask (and tells its masked tiles by walked bounds, block_info.h):
+// where the window has no left side by type (the `even` and `uneven` variants).
+template <class Flags>
+inline constexpr bool kThreadScoreMask = std::is_same_v<decltype(Flags::local), cute::C<false>>;
 
 }  // namespace flash_ext

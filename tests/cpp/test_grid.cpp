@@ -151,7 +151,7 @@ void kv_tile_walk(int block_n, bool paged, bool varlen) {
 // diag(r) = r + seqlen_k - seqlen_q.  For each row block: no tile outside [n_block_min, n_block_max) holds a key
 // that one of its rows (< seqlen_q) sees; tile_fully_visible is true exactly where every row of the block
 // (kBlockM of them, as the kernel's mask treats them) sees every key of the tile; and the walked bounds
-// (walk_masked_tiles) and the per-tile form (TileRule) mark exactly the other tiles of the range.
+// (masked_tiles) mark exactly the other tiles of the range.
 struct TestWindow {
   bool l, r;
   int left_, right_;
@@ -175,8 +175,7 @@ int masked_tiles_against_rule(int seqlen_q, int seqlen_k, TestWindow w) {
     int const row0 = m_block * kBlockM;
     int const n_min = n_block_min<kBlockM, kBlockN>(binfo, w, m_block);
     int const n_max = n_block_max<kBlockM, kBlockN>(binfo, w, m_block);
-    MaskedTiles const walked = walk_masked_tiles<kBlockM, kBlockN>(binfo, w, m_block, n_min, n_max);
-    TileRule<kBlockM, kBlockN, TestWindow> const rule{binfo, w, m_block};
+    MaskedTiles const walked = masked_tiles<kBlockM, kBlockN>(binfo, w, m_block, n_min, n_max);
     for (int n = 0; n * kBlockN < seqlen_k; ++n) {
       int64_t const c0 = int64_t(n) * kBlockN, c1 = c0 + kBlockN;  // the tile's keys [c0, c1)
       bool any_seen = false, all_seen = true;
@@ -190,13 +189,12 @@ int masked_tiles_against_rule(int seqlen_q, int seqlen_k, TestWindow w) {
       }
       wrong += tile_fully_visible<kBlockM, kBlockN>(binfo, w, m_block, n) != all_seen;
       wrong += walked(n) == all_seen;
-      wrong += rule(n) == all_seen;
     }
   }
   return wrong;
 }
 
-void masked_tiles() {
+void masked_tile_cases() {
   int const lens[][2] = {{1, 1}, {1, 300}, {100, 300}, {300, 100}, {256, 256}, {257, 255}, {200, 1000}, {1000, 200}};
   TestWindow const windows[] = {
       {false, false, 0, 0}, {false, true, 0, 0}, {false, true, 0, 5},    {true, false, 17, 0}, {true, true, 17, 5},
@@ -219,7 +217,7 @@ void masked_tiles() {
 }
 
 int main() {
-  masked_tiles();
+  masked_tile_cases();
   for (int block_n : {16, 32, 64, 128}) {
     kv_tile_walk(block_n, /*paged=*/false, /*varlen=*/false);
     kv_tile_walk(block_n, /*paged=*/false, /*varlen=*/true);

@@ -774,7 +774,7 @@ void check_exp2_rows(HostKernels const& k) {
 }
 
 // mask_scores and the GPU's element-by-element rule that it stands in for, in both forms (mask.h: ScoreMask,
-// the backward's, and ThreadScoreMask, the forward's), against the rule written here with absolute rows and
+// absolute, and ThreadScoreMask, relative to a thread's first score), against the rule written here with absolute rows and
 // keys: row r sees key c when c < seqlen_k, c <= diag(r) + right (has_right) and c >= diag(r) - left
 // (has_left), diag(r) = r + seqlen_k - seqlen_q; the ALiBi bias is slope * |diag(r) - c|.  Cases: causal, local windows on either side or both, windows past any tile,
 // bottom-right alignment (seqlen_q != seqlen_k both ways), keys past seqlen_k, ALiBi with and without a mask.
