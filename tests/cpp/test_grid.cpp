@@ -12,6 +12,7 @@
 #include "flash_ext/block_info.h"
 #include "flash_ext/grid.h"
 #include "check.h"
+#include "test_window.h"
 
 using namespace flash_ext;
 
@@ -152,15 +153,6 @@ void kv_tile_walk(int block_n, bool paged, bool varlen) {
 // that one of its rows (< seqlen_q) sees; tile_fully_visible is true exactly where every row of the block
 // (kBlockM of them, as the kernel's mask treats them) sees every key of the tile; and the walked bounds
 // (masked_tiles) mark exactly the other tiles of the range.
-struct TestWindow {
-  bool l, r;
-  int left_, right_;
-  bool has_left() const { return l; }
-  bool has_right() const { return r; }
-  int left() const { return left_; }
-  int right() const { return right_; }
-};
-
 template <int kBlockM, int kBlockN>
 int masked_tiles_against_rule(int seqlen_q, int seqlen_k, TestWindow w) {
   FwdParams p{};

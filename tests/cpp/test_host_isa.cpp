@@ -23,6 +23,7 @@
 #include "flash_ext/softmax.h"
 #include "flash_ext/traits_host.h"
 #include "check.h"
+#include "test_window.h"
 
 namespace flash_ext {
 HostKernels const* host_kernels_avx512_emulated();  // tests/cpp/host_isa_emulated.cpp (x86-64 only)
@@ -782,15 +783,6 @@ void check_exp2_rows(HostKernels const& k) {
 // every third key from the third): ThreadScoreMask's arithmetic is relative to the thread's first score.
 // Hidden scores must be -inf exactly where the rule hides them; the bias may differ by the rounding of one
 // fused multiply-add.
-struct TestWindow {
-  bool l, r;
-  int left_, right_;
-  bool has_left() const { return l; }
-  bool has_right() const { return r; }
-  int left() const { return left_; }
-  int right() const { return right_; }
-};
-
 void check_mask_scores(HostKernels const& k) {
   using namespace cute;
   struct Case {
