@@ -147,7 +147,7 @@ CUTE_HOST_DEVICE void compute_attn_1rowblock(FwdParams const& params, Flags cons
   using AccSLayout = decltype(partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
   OnlineSoftmax<Traits, kNRows> softmax;
   bool const any_mask = !flags.even_mn || flags.causal || flags.local;
-  // The mask in two forms (mask.h).  Where the window has no left side by type (`even`, `uneven`):
+  // The mask in two forms (mask.h).  In the plain variants (kThreadScoreMask: `even`, `uneven`):
   // ThreadScoreMask and the masked tiles' bounds (block_info.h), both built here.  Elsewhere ScoreMask and
   // tile_fully_visible per tile, as written in the loop (placed there, they keep the runtime-window kernels'
   // loop as it was; docs/perf.md, "the causal mask relative to a thread's first score").

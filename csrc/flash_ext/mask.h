@@ -31,9 +31,10 @@ CUTE_HOST_DEVICE float alibi_slope_in_score_domain(FwdParams const& params, bool
 }
 
 // The rule score by score, in absolute rows and keys, built per tile: the backward's form, and the forward's
-// where the window is a runtime flag (`general`, `dropout`, `decode`).  In the backward ThreadScoreMask below
-// spilled 4-32 bytes (head dim 64, in its files); in the forward's runtime-window kernels it was not kept
-// (docs/perf.md, "the causal mask relative to a thread's first score").
+// where kThreadScoreMask (below) is false: the variants with runtime features (`general`, `decode`,
+// `dropout`).  In the backward ThreadScoreMask below spilled 4-32 bytes (head dim 64, in its files); in the
+// forward's runtime-feature kernels it was not kept (docs/perf.md, "the causal mask relative to a thread's
+// first score").
 template <class W>  // Window or WindowCopy (block_info.h)
 struct ScoreMask {
   BlockInfo const& binfo;
@@ -132,25 +133,26 @@ CUTE_HOST_DEVICE void apply_score_mask(ScoreMask<W> const& mask, Scores& scores,
   }
 }
 
-// The same for ThreadScoreMask, the slope passed per call.  The host's fragment starts at the tile's (0, 0), so
-// its first row's diagonal is to_diag + row0 and to_end is seqlen_k.
+// The same for ThreadScoreMask, the slope passed per call.  GPU traits only: the host runs its forward with
+// runtime flags (DynamicFlags, launch_host.h), whose window is a runtime flag, so it masks with ScoreMask.
 template <class Traits, class W, class Scores, class Coord, class KeysInRange = bool>
 CUTE_HOST_DEVICE void apply_score_mask(ThreadScoreMask<W> const& mask, Scores& scores, Coord const& coord, int row0,
                                        int col0, bool apply_bias, float alibi_slope, bool need_mask,
                                        KeysInRange keys_in_range = false) {
-  if constexpr (Traits::kIsHost) {
-    if (apply_bias || need_mask) {
-      Traits::mask_scores(scores, mask.window, mask.to_diag + row0, mask.to_end, col0, apply_bias, alibi_slope,
-                          need_mask);
-    }
-  } else {
-    mask.apply(scores, coord, row0, col0, apply_bias, alibi_slope, need_mask, keys_in_range);
-  }
+  static_assert(!Traits::kIsHost, "the host's forward masks with ScoreMask (its flags are runtime)");
+  mask.apply(scores, coord, row0, col0, apply_bias, alibi_slope, need_mask, keys_in_range);
 }
 
 // Whether the forward masks with ThreadScoreMask (and tells its masked tiles by walked bounds, block_info.h):
-// where the window has no left side by type (the `even` and `uneven` variants).
+// the plain variants, `even` and `uneven`, whose window has no left side and which have no ALiBi, softcap or
+// dropout, by type.  The causal files' `general`, `decode` and `dropout` have a static no-left-side window too,
+// but keep ScoreMask: with ThreadScoreMask their sm_90 kernels spilled (head dim 192 `decode` 20 B, head dim
+// 256 `dropout` 12 B; docs/perf.md, "the causal mask relative to a thread's first score").
+template <class Flag>
+inline constexpr bool kStaticFalse = std::is_same_v<Flag, cute::C<false>>;
 template <class Flags>
-inline constexpr bool kThreadScoreMask = std::is_same_v<decltype(Flags::local), cute::C<false>>;
+inline constexpr bool kThreadScoreMask =
+    kStaticFalse<decltype(Flags::local)> && kStaticFalse<decltype(Flags::alibi)> &&
+    kStaticFalse<decltype(Flags::softcap)> && kStaticFalse<decltype(Flags::dropout)>;
 
 }  // namespace flash_ext
