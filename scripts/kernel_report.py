@@ -2,8 +2,9 @@
 """Resource usage of every compiled forward and backward kernel, main-loop metrics of both; the no-spill
 gate and the forward's feed-rate gate.
 
-Reads the CUDA binaries embedded in the built extension (or object files) with ``cuobjdump`` (from the CUDA
-toolkit, or the ``nvidia-cuda-cuobjdump`` pip package) and writes markdown tables:
+Reads the CUDA binaries embedded in the built extension (or object files, or fatbins; several are merged into
+one table) with ``cuobjdump`` (from the CUDA toolkit, or the ``nvidia-cuda-cuobjdump`` pip package) and writes
+markdown tables:
 
 * resources (``--dump-resource-usage``) of the forward and backward kernels (the attention kernels and the
   backward's pre/postprocess): registers, shared memory, stack/local bytes, estimated CTAs/SM;
@@ -174,8 +175,18 @@ def parse(so: str, cuobjdump: str) -> list[dict]:
         by_regs = regs_per_sm // max(1, row["reg"] * threads)
         by_smem = smem_per_sm // max(1, row["smem"]) if row["smem"] else 32
         row["ctas"] = min(by_regs, by_smem)
+    return rows
+
+
+def merge_rows(rows: list[dict]) -> list[dict]:
+    """The rows of several binaries (CI's build and scratch compiles of other units) as one table: a kernel that
+    more than one of them holds (same arch and mangled name, e.g. a shared template) once, from the first; in
+    the order kernel kind, arch, head dim, dtype, flags, whichever binary each row came from."""
     order = {"fwd": 0, "bwd": 1, "bwd pre": 2, "bwd post": 3, "?": 4}
-    return sorted(rows, key=lambda r: (order[r["kernel"]], r["arch"], r["hd"], r["dtype"], r["flags"]))
+    first: dict[tuple, dict] = {}
+    for r in rows:
+        first.setdefault((r["arch"], r["mangled"]), r)
+    return sorted(first.values(), key=lambda r: (order[r["kernel"]], r["arch"], r["hd"], r["dtype"], r["flags"]))
 
 
 def loop_metrics(so: str, cuobjdump: str) -> dict[tuple[int, str], sass_loop.LoopMetrics | None]:
@@ -279,6 +290,7 @@ def main() -> int:
             for r in found:
                 r["loop"] = loops.get((r["arch"], r["mangled"]))
         rows += found
+    rows = merge_rows(rows)
     if not rows:
         print("kernel_report: no flash_ext kernel found (was the extension built with CUDA?)", file=sys.stderr)
         return 1

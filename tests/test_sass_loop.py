@@ -145,3 +145,21 @@ def test_instruction_mix_of_the_steady_path(sass_loop, excerpt) -> None:
     assert mix.opcode_class("FMNMX.FTZ") == "fmnmx" and mix.opcode_class("FSEL") == "cmpsel"
     assert mix.opcode_class("VOTE.ANY") == "vote" and mix.opcode_class("STL") == "spill"
     assert mix.opcode_class("IMAD.WIDE.U32") == "int" and mix.opcode_class("ULDC.64") == "int"
+
+
+def test_report_merges_binaries() -> None:
+    """kernel_report's table from several binaries (CI's build and scratch compiles): one row per (arch, mangled
+    name), the first binary's, ordered by kind, arch, head dim, dtype, flags across binaries."""
+    spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "scripts" / "kernel_report.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+
+    def row(kernel: str, arch: int, hd: int, name: str, reg: int) -> dict:
+        return {"kernel": kernel, "arch": arch, "hd": hd, "dtype": "bfloat16", "flags": "f", "mangled": name, "reg": reg}
+
+    ci = [row("fwd", 90, 64, "a", 1), row("bwd", 80, 64, "b", 2)]
+    scratch = [row("fwd", 80, 128, "c", 3), row("fwd", 90, 64, "a", 9), row("fwd", 80, 64, "a", 4),
+               row("bwd post", 80, 0, "p", 5)]
+    merged = kr.merge_rows(ci + scratch)
+    assert [(r["kernel"], r["arch"], r["hd"], r["reg"]) for r in merged] == [
+        ("fwd", 80, 64, 4), ("fwd", 80, 128, 3), ("fwd", 90, 64, 1), ("bwd", 80, 64, 2), ("bwd post", 80, 0, 5)]
