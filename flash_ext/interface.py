@@ -18,11 +18,22 @@ __all__ = [
 ]
 
 
+def _is_int(x) -> bool:
+    """An integer other than a bool (NumPy's too).  Python's own int first: the ABC check costs about a
+    microsecond, and these checks run on every call."""
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+def _is_real(x) -> bool:
+    """A real number other than a bool (NumPy's and a traced SymFloat too), Python's own types first."""
+    return type(x) in (float, int) or (isinstance(x, (numbers.Real, torch.SymFloat)) and not isinstance(x, bool))
+
+
 def _window_size_error(window_size) -> Optional[str]:
     """The rule window_size breaks, or None: the ops take two ints, so the shape is checked here.  Any integer
     type (NumPy's too) is taken, and a negative side is unbounded, as in flash_attn."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+            and _is_int(window_size[0]) and _is_int(window_size[1])):
         return f"window_size: got {window_size!r}; must be a pair of ints (left, right), negative = unbounded"
     return None
 
@@ -30,10 +41,9 @@ def _window_size_error(window_size) -> Optional[str]:
 def _python_arg_errors(dropout_p: float, window_size, softmax_scale=None) -> List[str]:
     """Python-side argument types (the value rules, dropout_p in [0, 1) and the rest, are the op's)."""
     errors = []
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
+    if not _is_real(dropout_p):
         errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1)")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool)
-                                      or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat))):
+    if softmax_scale is not None and not _is_real(softmax_scale):
         errors.append(f"softmax_scale: got {softmax_scale!r}; must be None (1 / sqrt(headdim)) or a float > 0")
     window_error = _window_size_error(window_size)
     if window_error:

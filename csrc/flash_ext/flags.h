@@ -26,6 +26,11 @@ struct KernelFlags {
 
 using DynamicFlags = KernelFlags<bool, bool, bool, bool, bool, bool, bool, bool>;
 
+// Whether a flag is off by type (a static false), as opposed to a static true or a runtime value that may be
+// false: what a choice of code path needs when it must hold for every call the instance serves.
+template <class Flag>
+inline constexpr bool kStaticFalse = std::is_same_v<Flag, cute::C<false>>;
+
 // A flag value as the body sees it: the static constant when the flag is static, else the runtime value.
 template <class Flag>
 constexpr Flag make_flag(bool runtime_value) {

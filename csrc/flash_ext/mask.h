@@ -4,11 +4,11 @@
 #pragma once
 
 #include <cmath>
-#include <type_traits>
 
 #include <cute/tensor.hpp>
 
 #include "block_info.h"
+#include "flags.h"
 #include "params.h"
 
 namespace flash_ext {
@@ -148,8 +148,6 @@ CUTE_HOST_DEVICE void apply_score_mask(ThreadScoreMask<W> const& mask, Scores& s
 // dropout, by type.  The causal files' `general`, `decode` and `dropout` have a static no-left-side window too,
 // but keep ScoreMask: with ThreadScoreMask their sm_90 kernels spilled (head dim 192 `decode` 20 B, head dim
 // 256 `dropout` 12 B; docs/perf.md, "the causal mask relative to a thread's first score").
-template <class Flag>
-inline constexpr bool kStaticFalse = std::is_same_v<Flag, cute::C<false>>;
 template <class Flags>
 inline constexpr bool kThreadScoreMask =
     kStaticFalse<decltype(Flags::local)> && kStaticFalse<decltype(Flags::alibi)> &&

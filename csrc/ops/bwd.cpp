@@ -34,11 +34,11 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
                        at::Tensor const& dk, at::Tensor const& dv, std::vector<int64_t> const& lse_shape) {
   auto like = [&](at::Tensor const& t, char const* name, at::Tensor const& ref, char const* ref_name, bool written) {
     bool const same = t.sizes() == ref.sizes() && t.scalar_type() == ref.scalar_type() && t.device() == ref.device();
-    c.require(same, name, str(t.scalar_type()) + " " + str(t.sizes()) + " on " + str(t.device()),
+    FLASH_EXT_REQUIRE(c, same, name, str(t.scalar_type()) + " " + str(t.sizes()) + " on " + str(t.device()),
               std::string("must match ") + ref_name + " (" + str(ref.scalar_type()) + " " + str(ref.sizes()) + " on " +
                   str(ref.device()) + ")");
     if (t.dim() >= 1) {
-      c.require(t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, std::string(name) + ".stride(-1)",
+      FLASH_EXT_REQUIRE(c, t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, std::string(name) + ".stride(-1)",
                 std::to_string(t.stride(-1)),
                 written ? "the last dimension must be contiguous (the gradient is written in place)"
                         : "the last dimension must be contiguous");
@@ -51,7 +51,7 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
   like(dv, "dv", k, "k/v", true);
   bool const lse_ok = lse.scalar_type() == at::kFloat && lse.device() == q.device() &&
                       lse.sizes() == at::IntArrayRef(lse_shape);
-  c.require(lse_ok, "softmax_lse", str(lse.scalar_type()) + " " + str(lse.sizes()) + " on " + str(lse.device()),
+  FLASH_EXT_REQUIRE(c, lse_ok, "softmax_lse", str(lse.scalar_type()) + " " + str(lse.sizes()) + " on " + str(lse.device()),
             "must be float32 " + str(at::IntArrayRef(lse_shape)) + " on q's device (the forward's softmax_lse)");
   check_no_overlap(c, {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}},
                    {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "softmax_lse"}});
@@ -61,7 +61,7 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
 void check_dlse(ArgChecker& c, std::optional<at::Tensor> const& dlse, at::Tensor const& lse) {
   if (!dlse.has_value()) { return; }
   bool const ok = dlse->scalar_type() == at::kFloat && dlse->sizes() == lse.sizes() && dlse->device() == lse.device();
-  c.require(ok, "dsoftmax_lse", str(dlse->scalar_type()) + " " + str(dlse->sizes()) + " on " + str(dlse->device()),
+  FLASH_EXT_REQUIRE(c, ok, "dsoftmax_lse", str(dlse->scalar_type()) + " " + str(dlse->sizes()) + " on " + str(dlse->device()),
             "must be float32 with softmax_lse's shape " + str(lse.sizes()) + " and device");
 }
 
@@ -70,7 +70,7 @@ void check_dlse(ArgChecker& c, std::optional<at::Tensor> const& dlse, at::Tensor
 void check_bwd_dropout(ArgChecker& c, at::Tensor const& q, double dropout_p,
                        std::optional<at::Tensor> const& rng_state) {
   check_dropout(c, q.device(), dropout_p, rng_state);
-  c.require(!(dropout_p > 0) || rng_state.has_value(), "rng_state", "None",
+  FLASH_EXT_REQUIRE(c, !(dropout_p > 0) || rng_state.has_value(), "rng_state", "None",
             "is required with dropout_p > 0: the forward's rng_state (seed, offset), from which the backward "
             "regenerates its dropout mask");
 }
@@ -92,7 +92,7 @@ void check_bwd_head_dim(ArgChecker& c, at::Tensor const& q) {
     built += (built.empty() ? "" : ", ") + std::to_string(hd);
     found = found || padded <= hd;
   }
-  c.require(found || d > 256, "head_dim", std::to_string(d),
+  FLASH_EXT_REQUIRE(c, found || d > 256, "head_dim", std::to_string(d),
             "no GPU backward kernel for it in this build (compiled backward head dims: " +
                 (built.empty() ? std::string("none") : built) +
                 "); rebuild with FLASH_EXT_BWD_HEADDIMS including a head dim >= " + std::to_string(d));
@@ -212,7 +212,7 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
     check_lengths(c, q.size(1), k.size(1), "q.shape[1]/k.shape[1]");
     check_bwd_tensors(c, dout, q, k, v, out, softmax_lse, dq, dk, dv, {q.size(0), q.size(2), q.size(1)});
     check_dlse(c, dsoftmax_lse, softmax_lse);
-    c.require(q.size(0) * q.size(1) <= INT32_MAX, "q", str(q.sizes()),
+    FLASH_EXT_REQUIRE(c, q.size(0) * q.size(1) <= INT32_MAX, "q", str(q.sizes()),
               "batch x seqlen_q must be < 2^31 (the dQ accumulators are addressed with 32-bit rows)");
   }
   c.raise_if_any();
@@ -251,8 +251,8 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   bool const cu_ok = check_cu_seqlens_pair(c, cu_seqlens_q, cu_seqlens_k, q.device());
   int64_t const b = std::max<int64_t>(cu_seqlens_q.numel() - 1, 0);
   bool const used_ok = check_index_tensor(c, seqused_k, "seqused_k", 1, b, q.device(), "q");
-  c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
-  c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
+  FLASH_EXT_REQUIRE(c, max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
+  FLASH_EXT_REQUIRE(c, max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_lengths(c, max_seqlen_q, max_seqlen_k, "max_seqlen_q/max_seqlen_k");
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, softcap, alibi_slopes, /*num_splits=*/1);
   check_bwd_dropout(c, q, dropout_p, rng_state);
@@ -260,7 +260,7 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   if (shapes_ok) {
     check_bwd_tensors(c, dout, q, k, v, out, softmax_lse, dq, dk, dv, {q.size(1), q.size(0)});
     check_dlse(c, dsoftmax_lse, softmax_lse);
-    c.require(q.size(0) <= INT32_MAX, "q", str(q.sizes()), "total_q must be < 2^31");
+    FLASH_EXT_REQUIRE(c, q.size(0) <= INT32_MAX, "q", str(q.sizes()), "total_q must be < 2^31");
   }
 
   // Index values: one host read (on CUDA one copy; trusted while capturing or with FLASH_EXT_TRUST_CU_SEQLENS=1).
@@ -286,7 +286,7 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
         if (bad < 0 && (used[i] < 0 || used[i] > keys)) { bad = i; }
         every_row_covered = every_row_covered && used[i] == keys;
       }
-      c.require(bad < 0, "seqused_k",
+      FLASH_EXT_REQUIRE(c, bad < 0, "seqused_k",
                 bad < 0 ? "" : "value " + std::to_string(used[bad]) + " at index " + std::to_string(bad),
                 "must be within [0, that sequence's key count" +
                     (bad < 0 ? "" : " " + std::to_string(int64_t(cu_k[bad + 1]) - cu_k[bad])) + "]");

@@ -362,41 +362,41 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
                bool kv_cache, bool paged_varlen, bool any_head_dim) {
   int64_t const rank = varlen ? 3 : 4;
   int64_t const kv_rank = varlen && !paged_varlen ? 3 : 4;
-  std::string const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
-  std::string const kv_rule = paged_varlen ? "must be (num_pages, page_size, heads_k, head_dim) with block_table"
+  char const* const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
+  char const* const kv_rule = paged_varlen ? "must be (num_pages, page_size, heads_k, head_dim) with block_table"
                               : varlen     ? "must be (total_k, heads_k, head_dim)"
                               : kv_cache   ? "must be (batch_cache, seqlen_cache, heads_k, head_dim) or pages"
                                            : "must be (batch, seqlen_k, heads_k, head_dim)";
   std::string const kname = kv_cache ? "k_cache" : "k", vname = kv_cache ? "v_cache" : "v";
-  c.require(q.dim() == rank, "q", std::to_string(q.dim()) + " dims " + str(q.sizes()), q_rule);
-  c.require(k.dim() == kv_rank, kname, std::to_string(k.dim()) + " dims " + str(k.sizes()), kv_rule);
-  c.require(v.dim() == kv_rank, vname, std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
+  FLASH_EXT_REQUIRE(c, q.dim() == rank, "q", std::to_string(q.dim()) + " dims " + str(q.sizes()), q_rule);
+  FLASH_EXT_REQUIRE(c, k.dim() == kv_rank, kname, std::to_string(k.dim()) + " dims " + str(k.sizes()), kv_rule);
+  FLASH_EXT_REQUIRE(c, v.dim() == kv_rank, vname, std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
   auto const dt = q.scalar_type();
   bool const dtype_ok = dt == at::kHalf || dt == at::kBFloat16 || (dt == at::kFloat && q.device().is_cpu());
-  c.require(dtype_ok, "q.dtype", str(dt), q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
-  c.require(k.scalar_type() == dt && v.scalar_type() == dt, kname + ".dtype/" + vname + ".dtype",
+  FLASH_EXT_REQUIRE(c, dtype_ok, "q.dtype", str(dt), q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
+  FLASH_EXT_REQUIRE(c, k.scalar_type() == dt && v.scalar_type() == dt, kname + ".dtype/" + vname + ".dtype",
             str(k.scalar_type()) + "/" + str(v.scalar_type()), "must equal q.dtype (" + str(dt) + ")");
-  c.require(k.device() == q.device() && v.device() == q.device(), kname + ".device/" + vname + ".device",
+  FLASH_EXT_REQUIRE(c, k.device() == q.device() && v.device() == q.device(), kname + ".device/" + vname + ".device",
             str(k.device()) + "/" + str(v.device()), "must equal q.device (" + str(q.device()) + ")");
   for (auto const& [name, t] : {std::pair{std::string("q"), &q}, std::pair{kname, &k}, std::pair{vname, &v}}) {
     if (t->dim() >= 1) {
-      c.require(t->stride(-1) == 1 || t->size(-1) <= 1 || t->numel() == 0, name + ".stride(-1)",
+      FLASH_EXT_REQUIRE(c, t->stride(-1) == 1 || t->size(-1) <= 1 || t->numel() == 0, name + ".stride(-1)",
                 std::to_string(t->stride(-1)), "the last dimension must be contiguous");
     }
   }
   bool const ranks_ok = q.dim() == rank && k.dim() == kv_rank && v.dim() == kv_rank;
   if (!ranks_ok) { return false; }
   int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
-  c.require(d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
+  FLASH_EXT_REQUIRE(c, d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
   if (!any_head_dim && d >= 1 && d <= 256) {  // one rule per wrong value: the range above comes first
-    c.require(d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
+    FLASH_EXT_REQUIRE(c, d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   }
   // FLASH_EXT_CPU_ISA naming a level this build or CPU cannot run: refused, never replaced by another (an
   // emulated call runs the Sm80 kernels, not the host micro-kernels).
   if (q.device().is_cpu() && !emulated(q)) {
     char const* isa_error = host_isa_selection_error();
     char const* env = std::getenv("FLASH_EXT_CPU_ISA");
-    c.require(*isa_error == '\0', "FLASH_EXT_CPU_ISA (environment)", std::string("'") + (env ? env : "") + "'",
+    FLASH_EXT_REQUIRE(c, *isa_error == '\0', "FLASH_EXT_CPU_ISA (environment)", std::string("'") + (env ? env : "") + "'",
               std::string(isa_error) + "; unset it or name a level this CPU runs (best here: " +
                   host_isa_name(host_isa_best()) + ")");
   }
@@ -405,24 +405,24 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   if (d >= 1 && d <= 256 && emulated(q)) {
 #if defined(FLASH_EXT_WITH_EMULATOR)
     std::string const why = emu::head_dim_unavailable(int(padded));
-    c.require(why.empty(), "head_dim", std::to_string(d), why);
+    FLASH_EXT_REQUIRE(c, why.empty(), "head_dim", std::to_string(d), why);
 #endif
   } else if (d >= 1 && d <= 256) {
     bool const cpu = q.device().is_cpu();
     if (cpu ? host_head_dim_for(int(padded)) < 0 : gpu_built_head_dim_for(int(padded)) < 0) {
-      c.require(false, "head_dim", std::to_string(d),
+      FLASH_EXT_REQUIRE(c, false, "head_dim", std::to_string(d),
                 std::string("no ") + (cpu ? "CPU" : "GPU") + " kernel for it in this build (compiled " +
                     (cpu ? "host" : "GPU") + " head dims: " + (cpu ? host_head_dims_list() : gpu_head_dims_list()) +
                     "); rebuild with " + (cpu ? "FLASH_EXT_HOST_HEADDIMS" : "FLASH_EXT_HEADDIMS") +
                     " including a head dim >= " + std::to_string(d));
     }
   }
-  c.require(k.sizes() == v.sizes(), vname + ".shape", str(v.sizes()), "must equal " + kname + ".shape " + str(k.sizes()));
+  FLASH_EXT_REQUIRE(c, k.sizes() == v.sizes(), vname + ".shape", str(v.sizes()), "must equal " + kname + ".shape " + str(k.sizes()));
   if (!varlen && !kv_cache) {
-    c.require(k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
+    FLASH_EXT_REQUIRE(c, k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
   }
-  c.require(k.size(-1) == d, kname + ".shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
-  c.require(hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", " + kname + " " + std::to_string(hk),
+  FLASH_EXT_REQUIRE(c, k.size(-1) == d, kname + ".shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
+  FLASH_EXT_REQUIRE(c, hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", " + kname + " " + std::to_string(hk),
             "q heads must be a multiple of k/v heads (MQA/GQA)");
   return true;
 }
@@ -431,20 +431,20 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
                    double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
   // As flash_attn 2.8's C++ API: num_splits < 1 picks the heuristic, a negative window side is unbounded and a
   // softcap <= 0 is off (its Python docstring: "<= 0.0 means deactivate"); set_semantics maps them.
-  c.require(num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
+  FLASH_EXT_REQUIRE(c, num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
             "must be <= " + std::to_string(kMaxSplits) + " (0 or less: heuristic, 1: no split, n: n splits)");
-  c.require(std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite (<= 0: off)");
+  FLASH_EXT_REQUIRE(c, std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite (<= 0: off)");
   // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
-  c.require(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale", std::to_string(softmax_scale),
+  FLASH_EXT_REQUIRE(c, std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale", std::to_string(softmax_scale),
             "must be finite and > 0");
   if (alibi_slopes.has_value()) {
     auto const& a = *alibi_slopes;
     bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == heads);
-    c.require(shape_ok || heads < 0, "alibi_slopes.shape", str(a.sizes()),
+    FLASH_EXT_REQUIRE(c, shape_ok || heads < 0, "alibi_slopes.shape", str(a.sizes()),
               "must be (heads,) = (" + std::to_string(heads) + ",) or (batch, heads) = (" + std::to_string(batch) + ", " +
                   std::to_string(heads) + ")");
-    c.require(a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
-    c.require(a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
+    FLASH_EXT_REQUIRE(c, a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
+    FLASH_EXT_REQUIRE(c, a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
   }
 }
 
@@ -457,15 +457,15 @@ void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, ch
   };
   for (size_t i = 0; i < written.size(); ++i) {
     auto const& [t, name] = written[i];
-    c.require(at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
+    FLASH_EXT_REQUIRE(c, at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
               "strides " + str(t->strides()) + " with elements that share memory",
               "is written: must not overlap itself (e.g. not an expand()ed tensor)");
     for (size_t j = i + 1; j < written.size(); ++j) {
-      c.require(!shares(*t, *written[j].first), std::string(name) + "/" + written[j].second, "tensors sharing memory",
+      FLASH_EXT_REQUIRE(c, !shares(*t, *written[j].first), std::string(name) + "/" + written[j].second, "tensors sharing memory",
                 "are both written: must not overlap each other");
     }
     for (auto const& [r, r_name] : read) {
-      c.require(!shares(*t, *r), std::string(name) + "/" + r_name, "tensors sharing memory",
+      FLASH_EXT_REQUIRE(c, !shares(*t, *r), std::string(name) + "/" + r_name, "tensors sharing memory",
                 std::string(name) + " is written while " + r_name + " is read: they must not overlap");
     }
   }
@@ -473,10 +473,10 @@ void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, ch
 
 void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::string const& what, int64_t rows,
                    int64_t num_splits) {
-  c.require(seqlen_q + seqlen_k <= kMaxLengthSum, what,
+  FLASH_EXT_REQUIRE(c, seqlen_q + seqlen_k <= kMaxLengthSum, what,
             "seqlen_q " + std::to_string(seqlen_q) + " + seqlen_k " + std::to_string(seqlen_k),
             "the sum must be <= " + std::to_string(kMaxLengthSum) + ": the kernels index rows and keys with 32-bit ints");
-  c.require(num_splits <= 1 || rows <= INT32_MAX, "num_splits", std::to_string(num_splits) + " with " +
+  FLASH_EXT_REQUIRE(c, num_splits <= 1 || rows <= INT32_MAX, "num_splits", std::to_string(num_splits) + " with " +
             std::to_string(rows) + " query rows", "split-KV partials are addressed with 32-bit rows: at most " +
             std::to_string(INT32_MAX) + " rows (use num_splits=0 or 1)");
 }
@@ -692,10 +692,11 @@ at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k) {
   return q.reshape({b, h_k, h / h_k, d}).transpose(1, 2);
 }
 
-std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Tensor> const& r) {
-  auto const& [out, lse] = r;
-  int64_t const b = out.size(0), g = out.size(1), hk = out.size(2), d = out.size(3);
-  return {out.transpose(1, 2).reshape({b, 1, hk * g, d}), lse.reshape({b, hk * g, 1})};
+GroupedOutputs grouped_outputs(at::Tensor const& q, int64_t h_k) {
+  int64_t const b = q.size(0), h = q.size(2), d = q.size(3), g = h / h_k;
+  at::Tensor out = at::empty({b, 1, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, 1}, q.options().dtype(at::kFloat));
+  return {out, lse, out.view({b, h_k, g, d}).transpose(1, 2), lse.view({b, h_k, g})};
 }
 
 }  // namespace flash_ext::ops

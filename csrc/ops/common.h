@@ -30,8 +30,9 @@ inline constexpr int64_t kMaxLengthSum = (int64_t(1) << 31) - 1024;
 class ArgChecker {
  public:
   explicit ArgChecker(std::string op) : op_(std::move(op)) {}
-  void require(bool ok, std::string const& arg, std::string const& got, std::string const& rule) {
-    if (!ok) { errors_.push_back(arg + ": got " + got + "; " + rule); }
+  // One unmet requirement: what the argument got and the rule it breaks (FLASH_EXT_REQUIRE checks first).
+  void fail(std::string const& arg, std::string const& got, std::string const& rule) {
+    errors_.push_back(arg + ": got " + got + "; " + rule);
   }
   // Throws one ValueError listing every requirement that failed so far.
   void raise_if_any() const;
@@ -42,6 +43,15 @@ class ArgChecker {
   std::string op_;
   std::vector<std::string> errors_;
 };
+
+// Records an unmet requirement (checker.fail(arg, got, rule)) when ok is false, building arg, got and rule only
+// then: built on every call, the messages (shapes and devices formatted through streams, concatenations) cost
+// more than the checks themselves.  A macro because a function's arguments are evaluated before the call (as
+// TORCH_CHECK's are not).
+#define FLASH_EXT_REQUIRE(checker, ok, arg, got, rule)    \
+  do {                                                   \
+    if (!(ok)) { (checker).fail((arg), (got), (rule)); } \
+  } while (false)
 
 std::string str(at::IntArrayRef a);
 std::string str(at::ScalarType t);
@@ -184,8 +194,14 @@ bool swap_query_groups(at::Tensor const& q, at::Tensor const& k, int64_t window_
                        std::optional<at::Tensor> const& alibi_slopes);
 // (b, 1, h, d) -> (b, g, h_k, d): query head kh * g + i becomes row i of head kh.
 at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k);
-// The inverse for the results: out (b, g, h_k, d) -> (b, 1, h, d), lse (b, h_k, g) -> (b, h, 1).
-std::tuple<at::Tensor, at::Tensor> rows_as_groups(std::tuple<at::Tensor, at::Tensor> const& r);
+// The results of such a call, allocated in the caller's layout (out (b, 1, h, d), lse (b, h, 1)), and the views
+// of them that the kernel writes as rows (out_rows (b, g, h_k, d), lse_rows (b, h_k, g)): the kernel's strided
+// output lands where the caller wants it, with no copy afterwards (a copy of a decode step's output cost about
+// a quarter of a small call's time on the CPU: ATen's dispatch, not the bytes).
+struct GroupedOutputs {
+  at::Tensor out, lse, out_rows, lse_rows;
+};
+GroupedOutputs grouped_outputs(at::Tensor const& q, int64_t h_k);
 
 // The host / GPU head dims this build compiled (FLASH_EXT_HOST_HEADDIMS, FLASH_EXT_HEADDIMS), comma-separated.
 std::string host_head_dims_list();

@@ -41,6 +41,27 @@ bool swap_groups(at::Tensor const& q, at::Tensor const& k, int64_t window_left,
   return dropout_p == 0 && swap_query_groups(q, k, window_left, k.size(1), alibi_slopes);
 }
 
+// The forward of a checked call into out (b, sq, h, d) and lse (b, h, sq), which may be views of the caller's
+// tensors (grouped_outputs); returns the rng_state output.
+at::Tensor run_checked(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,
+                       int64_t window_left, int64_t window_right, double softcap,
+                       std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, double dropout_p,
+                       std::optional<at::Tensor> const& rng_state, at::Tensor out, at::Tensor lse) {
+  if (out.numel() == 0) { return idle_rng_state(q, dropout_p, rng_state); }
+  if (k.size(1) == 0) {  // no key at all: every row is empty
+    out.zero_();
+    lse.fill_(INFINITY);
+    return idle_rng_state(q, dropout_p, rng_state);
+  }
+  FwdParams p;
+  KernelInputs const in = prepare_inputs(p, q, k, v, out, lse, alibi_slopes);
+  fill_params(p, q, k, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
+  auto const accum = set_splits(p, in.q, num_splits, q.size(0) * q.size(1));
+  DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);
+  launch(p, in, out, accum, "flash_ext.fwd");
+  return dropout.out;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
@@ -56,27 +77,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tens
   check_fwd(c, q, k, v, softmax_scale, softcap, alibi_slopes, num_splits, dropout_p, rng_state);
   c.raise_if_any();
   if (swap_groups(q, k, window_left, alibi_slopes, dropout_p)) {
-    auto const [out, lse, rng] = fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, /*causal=*/false, -1, -1,
-                                     softcap, alibi_slopes, num_splits, 0.0, std::nullopt, false);
-    auto const [out_h, lse_h] = rows_as_groups({out, lse});
-    return {out_h, lse_h, rng};
+    GroupedOutputs const g = grouped_outputs(q, k.size(2));
+    at::Tensor rng = run_checked(groups_as_rows(q, k.size(2)), k, v, softmax_scale, /*causal=*/false, -1, -1, softcap,
+                                 alibi_slopes, num_splits, 0.0, std::nullopt, g.out_rows, g.lse_rows);
+    return {g.out, g.lse, rng};
   }
-  int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3), sk = k.size(1);
+  int64_t const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3);
   at::Tensor out = at::empty({b, sq, h, d}, q.options());
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) { return {out, lse, idle_rng_state(q, dropout_p, rng_state)}; }
-  if (sk == 0) {  // no key at all: every row is empty
-    out.zero_();
-    lse.fill_(INFINITY);
-    return {out, lse, idle_rng_state(q, dropout_p, rng_state)};
-  }
-  FwdParams p;
-  KernelInputs const in = prepare_inputs(p, q, k, v, out, lse, alibi_slopes);
-  fill_params(p, q, k, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
-  auto const accum = set_splits(p, in.q, num_splits, b * sq);
-  DropoutState const dropout = set_dropout(p, q, dropout_p, rng_state);
-  launch(p, in, out, accum, "flash_ext.fwd");
-  return {out, lse, dropout.out};
+  at::Tensor rng = run_checked(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                               num_splits, dropout_p, rng_state, out, lse);
+  return {out, lse, rng};
 }
 
 Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale, bool causal,

@@ -52,7 +52,7 @@ bool check_index_tensor(ArgChecker& c, std::optional<at::Tensor> const& t, char 
   if (!t.has_value()) { return true; }
   bool const ok = t->dim() == rank && t->scalar_type() == at::kInt && t->device() == device &&
                   (batch < 0 || t->size(0) == batch);
-  c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+  FLASH_EXT_REQUIRE(c, ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
             "must be an int32 tensor with " + std::to_string(rank) + " dims and batch (" + std::to_string(batch) +
                 ") rows on " + device_owner + "'s device");
   return ok;
@@ -63,12 +63,12 @@ bool check_cu_seqlens_pair(ArgChecker& c, at::Tensor const& cu_seqlens_q, at::Te
   bool cu_ok = true;
   for (auto const& [name, t] : {std::pair{"cu_seqlens_q", &cu_seqlens_q}, std::pair{"cu_seqlens_k", &cu_seqlens_k}}) {
     bool const ok = t->dim() == 1 && t->numel() >= 1 && t->scalar_type() == at::kInt && t->device() == device;
-    c.require(ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
+    FLASH_EXT_REQUIRE(c, ok, name, str(t->scalar_type()) + " " + str(t->sizes()) + " on " + str(t->device()),
               "must be a 1-D int32 tensor of length batch + 1 on q's device");
     cu_ok = cu_ok && ok;
   }
   if (cu_ok) {
-    c.require(cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k", "length " + std::to_string(cu_seqlens_k.numel()),
+    FLASH_EXT_REQUIRE(c, cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k", "length " + std::to_string(cu_seqlens_k.numel()),
               "must have the length of cu_seqlens_q (" + std::to_string(cu_seqlens_q.numel()) + ")");
     cu_ok = cu_seqlens_k.numel() == cu_seqlens_q.numel();
   }
@@ -80,27 +80,27 @@ void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name,
   for (int64_t i = 0; i < n && bad < 0; ++i) {
     if (v[i] < 0 || v[i] >= upper) { bad = i; }
   }
-  c.require(bad < 0, name, bad < 0 ? "" : "value " + std::to_string(v[bad]) + " at index " + std::to_string(bad),
+  FLASH_EXT_REQUIRE(c, bad < 0, name, bad < 0 ? "" : "value " + std::to_string(v[bad]) + " at index " + std::to_string(bad),
             "must index " + what + " [0, " + std::to_string(upper) + ")");
 }
 
 void check_cu_seqlens_values(ArgChecker& c, int const* x, int64_t n, char const* name, int64_t total, bool total_exact,
                              int64_t max_seqlen, char const* max_name) {
-  c.require(x[0] == 0, std::string(name) + "[0]", std::to_string(x[0]), "must be 0");
+  FLASH_EXT_REQUIRE(c, x[0] == 0, std::string(name) + "[0]", std::to_string(x[0]), "must be 0");
   int64_t first_drop = -1, longest = 0;
   for (int64_t i = 0; i + 1 < n; ++i) {
     if (x[i + 1] < x[i] && first_drop < 0) { first_drop = i + 1; }
     longest = std::max<int64_t>(longest, int64_t(x[i + 1]) - x[i]);
   }
-  c.require(first_drop < 0, name,
+  FLASH_EXT_REQUIRE(c, first_drop < 0, name,
             first_drop < 0 ? "" : "a decrease at index " + std::to_string(first_drop) + " (" + std::to_string(x[first_drop - 1]) +
                                       " then " + std::to_string(x[first_drop]) + ")",
             "must be non-decreasing");
   bool const total_ok = total_exact ? x[n - 1] == total : (x[n - 1] >= 0 && x[n - 1] <= total);
-  c.require(total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
+  FLASH_EXT_REQUIRE(c, total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
             std::string(total_exact ? "must equal " : "must be <= ") + "the number of rows " + std::to_string(total));
   // A negative max_seqlen is its own error (the caller's); one rule per wrong value.
-  c.require(longest <= max_seqlen || max_seqlen < 0, max_name, std::to_string(max_seqlen),
+  FLASH_EXT_REQUIRE(c, longest <= max_seqlen || max_seqlen < 0, max_name, std::to_string(max_seqlen),
             "must be >= the longest sequence in " + std::string(name) + " (" + std::to_string(longest) + ")");
 }
 
@@ -115,7 +115,7 @@ void check_pages(ArgChecker& c, int const* table, int64_t width, int64_t batch, 
       if (bad < 0 && (page < 0 || page >= num_pages)) { bad = i, bad_col = j; }
     }
   }
-  c.require(bad < 0, "block_table",
+  FLASH_EXT_REQUIRE(c, bad < 0, "block_table",
             bad < 0 ? "" : "value " + std::to_string(table[bad * width + bad_col]) + " at [" + std::to_string(bad) + ", " +
                                std::to_string(bad_col) + "]",
             std::string(which) + " must index " + pages_of + " pages [0, " + std::to_string(num_pages) + ")");
@@ -167,7 +167,7 @@ void check_paged_append(ArgChecker& c, int const* table, int64_t width, int64_t 
         bool const same = a.entry == b.entry && a.slot == b.slot;
         if (same || std::max(a.begin, b.begin) >= std::min(a.end, b.end)) { continue; }
         int64_t const row = std::max(a.begin, b.begin);
-        c.require(false, "block_table",
+        FLASH_EXT_REQUIRE(c, false, "block_table",
                   "page " + std::to_string(a.page) + " row " + std::to_string(row) + " appended to by batch entry " +
                       std::to_string(a.entry) + " (its row " + std::to_string(a.slot * page_size + row) + ") and " +
                       (b.write ? "appended to" : "read") + " by entry " + std::to_string(b.entry) + " (its row " +

@@ -26,27 +26,13 @@ struct CacheIndices {
   int64_t capacity = 0, page_size = 0;
 };
 
-// Attention of q against a cache whose new rows are in place; no checks (kvcache_fwd made them).
-std::tuple<at::Tensor, at::Tensor> attend(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
-                                          CacheIndices const& ix, double softmax_scale, bool causal,
-                                          int64_t window_left, int64_t window_right, double softcap,
-                                          std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
-  int64_t const d = q.size(3);
-  if (d % 8 != 0) {  // the kernels move 8-element vectors: zero head-dim padding changes no dot product
-    int64_t const pad = 8 - d % 8;
-    auto [out, lse] = attend(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(k_cache, {0, pad}),
-                             at::constant_pad_nd(v_cache, {0, pad}), ix, softmax_scale, causal, window_left,
-                             window_right, softcap, alibi_slopes, num_splits);
-    return {out.narrow(3, 0, d).contiguous(), lse};
-  }
-  if (swap_query_groups(q, k_cache, window_left, ix.capacity, alibi_slopes)) {
-    return rows_as_groups(attend(groups_as_rows(q, k_cache.size(2)), k_cache, v_cache, ix, softmax_scale,
-                                 /*causal=*/false, -1, -1, softcap, alibi_slopes, num_splits));
-  }
-  int64_t const b = q.size(0), sq = q.size(1), h = q.size(2);
-  at::Tensor out = at::empty({b, sq, h, d}, q.options());
-  at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) { return {out, lse}; }
+// attend's kernel call into out (b, sq, h, d) and lse (b, h, sq), which may be views of the caller's tensors
+// (grouped_outputs); d a multiple of 8.
+void attend_into(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache, CacheIndices const& ix,
+                 double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+                 std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits, at::Tensor out, at::Tensor lse) {
+  if (out.numel() == 0) { return; }
+  int64_t const b = q.size(0), sq = q.size(1);
   // seqused_k = keys per entry after the append, counted from the left padding.
   at::Tensor const used = (ix.leftpad.has_value() ? ix.seqlens - *ix.leftpad : ix.seqlens).to(at::kInt).contiguous();
   std::optional<at::Tensor> idx, pad, table;
@@ -69,6 +55,33 @@ std::tuple<at::Tensor, at::Tensor> attend(at::Tensor const& q, at::Tensor const&
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, in.alibi);
   auto const accum = set_splits(p, in.q, num_splits, b * sq);
   launch(p, in, out, accum, "flash_ext.kvcache_fwd");
+}
+
+// Attention of q against a cache whose new rows are in place; no checks (kvcache_fwd made them).
+std::tuple<at::Tensor, at::Tensor> attend(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
+                                          CacheIndices const& ix, double softmax_scale, bool causal,
+                                          int64_t window_left, int64_t window_right, double softcap,
+                                          std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits) {
+  int64_t const d = q.size(3);
+  if (d % 8 != 0) {  // the kernels move 8-element vectors: zero head-dim padding changes no dot product
+    int64_t const pad = 8 - d % 8;
+    auto [out, lse] = attend(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(k_cache, {0, pad}),
+                             at::constant_pad_nd(v_cache, {0, pad}), ix, softmax_scale, causal, window_left,
+                             window_right, softcap, alibi_slopes, num_splits);
+    return {out.narrow(3, 0, d).contiguous(), lse};
+  }
+  if (swap_query_groups(q, k_cache, window_left, ix.capacity, alibi_slopes)) {
+    int64_t const h_k = k_cache.size(2);
+    GroupedOutputs const g = grouped_outputs(q, h_k);
+    attend_into(groups_as_rows(q, h_k), k_cache, v_cache, ix, softmax_scale, /*causal=*/false, -1, -1, softcap,
+                alibi_slopes, num_splits, g.out_rows, g.lse_rows);
+    return {g.out, g.lse};
+  }
+  int64_t const b = q.size(0), sq = q.size(1), h = q.size(2);
+  at::Tensor out = at::empty({b, sq, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
+  attend_into(q, k_cache, v_cache, ix, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+              num_splits, out, lse);
   return {out, lse};
 }
 
@@ -111,19 +124,19 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
 
   // New keys/values: both or neither, (batch, seqlen_new, heads_k, d) in the cache's dtype and device.
   bool new_ok = k.has_value() == v.has_value();
-  c.require(new_ok, "k/v", k.has_value() ? "k without v" : "v without k", "must be given together (or neither)");
+  FLASH_EXT_REQUIRE(c, new_ok, "k/v", k.has_value() ? "k without v" : "v without k", "must be given together (or neither)");
   int64_t seqlen_new = 0;
   if (new_ok && k.has_value()) {
     bool const shape_ok = shapes_ok && k->dim() == 4 && v->sizes() == k->sizes() && k->size(0) == b &&
                           k->size(2) == k_cache.size(2) && k->size(3) == k_cache.size(3);
-    c.require(shape_ok, "k/v", str(k->sizes()) + "/" + str(v->sizes()),
+    FLASH_EXT_REQUIRE(c, shape_ok, "k/v", str(k->sizes()) + "/" + str(v->sizes()),
               shapes_ok ? "must both be (batch=" + std::to_string(b) + ", seqlen_new, heads_k=" +
                               std::to_string(k_cache.size(2)) + ", d=" + std::to_string(k_cache.size(3)) + ")"
                         : "must both be (batch, seqlen_new, heads_k, d) like the cache");
-    c.require(k->scalar_type() == k_cache.scalar_type() && v->scalar_type() == k_cache.scalar_type(), "k/v.dtype",
+    FLASH_EXT_REQUIRE(c, k->scalar_type() == k_cache.scalar_type() && v->scalar_type() == k_cache.scalar_type(), "k/v.dtype",
               str(k->scalar_type()) + "/" + str(v->scalar_type()), "must equal the cache's dtype (" +
                   str(k_cache.scalar_type()) + ")");
-    c.require(k->device() == k_cache.device() && v->device() == k_cache.device(), "k/v.device",
+    FLASH_EXT_REQUIRE(c, k->device() == k_cache.device() && v->device() == k_cache.device(), "k/v.device",
               str(k->device()) + "/" + str(v->device()), "must equal the cache's device (" + str(k_cache.device()) + ")");
     new_ok = shape_ok;
     seqlen_new = shape_ok ? k->size(1) : 0;
@@ -134,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     for (auto [cache, name] : {std::pair<at::Tensor const&, char const*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
       // torch refuses an in-place update of an inference tensor outside inference mode, but only after the op
       // has run (when it bumps the version counters): the caches would be appended to by a call that raises.
-      c.require(!cache.is_inference() || c10::InferenceMode::is_enabled(), name,
+      FLASH_EXT_REQUIRE(c, !cache.is_inference() || c10::InferenceMode::is_enabled(), name,
                 "an inference tensor (created under torch.inference_mode()) outside inference mode",
                 "is appended to in place: call under torch.inference_mode(), or through "
                 "flash_ext.flash_attn_with_kvcache, which does");
@@ -153,15 +166,15 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     page_size = paged ? k_cache.size(1) : 0;
     capacity = paged ? (block_table->dim() == 2 ? block_table->size(1) * page_size : 0) : k_cache.size(1);
     if (paged) {
-      c.require(page_size % 128 == 0 && page_size > 0, "k_cache.shape[1] (page size)", std::to_string(page_size),
+      FLASH_EXT_REQUIRE(c, page_size % 128 == 0 && page_size > 0, "k_cache.shape[1] (page size)", std::to_string(page_size),
                 "must be a positive multiple of 128 with block_table");
-      c.require(!cache_leftpad.has_value(), "cache_leftpad", "given with block_table",
+      FLASH_EXT_REQUIRE(c, !cache_leftpad.has_value(), "cache_leftpad", "given with block_table",
                 "left padding and paged KV cannot be combined");
-      c.require(!cache_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
+      FLASH_EXT_REQUIRE(c, !cache_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
                 "paged KV selects pages through block_table; cache_batch_idx must be None");
     } else if (!cache_batch_idx.has_value()) {
       // Entry i reads (and appends to) cache batch i.
-      c.require(k_cache.size(0) >= b, "k_cache.shape[0]", std::to_string(k_cache.size(0)) + " cache entries",
+      FLASH_EXT_REQUIRE(c, k_cache.size(0) >= b, "k_cache.shape[0]", std::to_string(k_cache.size(0)) + " cache entries",
                 "must be >= q's batch " + std::to_string(b) + " without cache_batch_idx or block_table (entry i uses "
                 "cache entry i)");
     }
@@ -189,12 +202,12 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     auto at_entry = [&](int64_t value, int64_t i) {
       return std::to_string(value) + " at batch entry " + std::to_string(i);
     };
-    c.require(bad_len < 0, "cache_seqlens", bad_len < 0 ? "" : at_entry(len[bad_len], bad_len),
+    FLASH_EXT_REQUIRE(c, bad_len < 0, "cache_seqlens", bad_len < 0 ? "" : at_entry(len[bad_len], bad_len),
               "need 0 <= cache_seqlens and cache_seqlens + seqlen_new (" + std::to_string(seqlen_new) +
                   ") <= the cache capacity " + std::to_string(capacity));
-    c.require(bad_pad < 0, "cache_leftpad", bad_pad < 0 ? "" : at_entry(leftpad(bad_pad), bad_pad),
+    FLASH_EXT_REQUIRE(c, bad_pad < 0, "cache_leftpad", bad_pad < 0 ? "" : at_entry(leftpad(bad_pad), bad_pad),
               "need 0 <= cache_leftpad <= cache_seqlens");
-    c.require(bad_rotary < 0, "rotary_cos/rotary_sin", std::to_string(rotary_len) + " positions",
+    FLASH_EXT_REQUIRE(c, bad_rotary < 0, "rotary_cos/rotary_sin", std::to_string(rotary_len) + " positions",
               "must cover positions cache_seqlens + [0, " + std::to_string(rotary_rows) + ") (batch entry " +
                   std::to_string(bad_rotary) + " goes past them)");
     if (cache_batch_idx.has_value()) {
@@ -204,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
         std::vector<int> sorted(entry, entry + b);
         std::sort(sorted.begin(), sorted.end());
         auto const dup = std::adjacent_find(sorted.begin(), sorted.end());
-        c.require(dup == sorted.end(), "cache_batch_idx", dup == sorted.end() ? "" : "value " + std::to_string(*dup) + " repeated",
+        FLASH_EXT_REQUIRE(c, dup == sorted.end(), "cache_batch_idx", dup == sorted.end() ? "" : "value " + std::to_string(*dup) + " repeated",
                   "must be distinct when new k/v are appended (each entry writes its own cache rows)");
       }
     }

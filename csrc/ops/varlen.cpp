@@ -30,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   bool const paged = block_table.has_value();
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true, /*kv_cache=*/false, /*paged_varlen=*/paged);
   // The kernels address LSE rows as head * total_q + row with total_q in an int (params.total_q).
-  if (shapes_ok) { c.require(q.size(0) <= INT32_MAX, "q", str(q.sizes()), "total_q must be < 2^31"); }
+  if (shapes_ok) { FLASH_EXT_REQUIRE(c, q.size(0) <= INT32_MAX, "q", str(q.sizes()), "total_q must be < 2^31"); }
   bool const cu_ok = check_cu_seqlens_pair(c, cu_seqlens_q, cu_seqlens_k, q.device());
   int64_t const b = std::max<int64_t>(cu_seqlens_q.numel() - 1, 0);
   bool const used_ok = check_index_tensor(c, seqused_k, "seqused_k", 1, b, q.device(), "q");
@@ -41,12 +41,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   int64_t page_size = 0, capacity = 0;
   if (paged && shapes_ok) {
     page_size = k.size(1);
-    c.require(page_size > 0 && page_size % 128 == 0, "k.shape[1] (page size)", std::to_string(page_size),
+    FLASH_EXT_REQUIRE(c, page_size > 0 && page_size % 128 == 0, "k.shape[1] (page size)", std::to_string(page_size),
               "must be a positive multiple of 128 with block_table");
     capacity = table_ok ? block_table->size(1) * page_size : 0;
   }
-  c.require(max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
-  c.require(max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
+  FLASH_EXT_REQUIRE(c, max_seqlen_q >= 0, "max_seqlen_q", std::to_string(max_seqlen_q), "must be >= 0");
+  FLASH_EXT_REQUIRE(c, max_seqlen_k >= 0, "max_seqlen_k", std::to_string(max_seqlen_k), "must be >= 0");
   check_lengths(c, max_seqlen_q, max_seqlen_k, "max_seqlen_q/max_seqlen_k", shapes_ok ? q.size(0) : 0, num_splits);
   check_options(c, q, b, shapes_ok ? q.size(1) : -1, softmax_scale, softcap, alibi_slopes, num_splits);
   check_dropout(c, q.device(), dropout_p, rng_state);
@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       for (int64_t i = 0; i < b && too_long < 0; ++i) {
         if (keys(i) > capacity) { too_long = i; }
       }
-      c.require(too_long < 0, "cu_seqlens_k", "sequence " + std::to_string(too_long) + " longer than its pages",
+      FLASH_EXT_REQUIRE(c, too_long < 0, "cu_seqlens_k", "sequence " + std::to_string(too_long) + " longer than its pages",
                 "each sequence must fit block_table.shape[1] x page size = " + std::to_string(capacity) + " keys");
       check_pages(c, idx.values(s_table), block_table->size(1), b, page_size, k.size(0), "pages in use", "k's",
                   [&](int64_t i) { return std::pair<int64_t, int64_t>{0, std::max<int64_t>(keys(i), 0)}; });
@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       for (int64_t i = 0; i < b && bad < 0; ++i) {
         if (used[i] < 0 || used[i] > keys(i)) { bad = i; }
       }
-      c.require(bad < 0, "seqused_k",
+      FLASH_EXT_REQUIRE(c, bad < 0, "seqused_k",
                 bad < 0 ? "" : "value " + std::to_string(used[bad]) + " at index " + std::to_string(bad),
                 "must be within [0, that sequence's key count" + (bad < 0 ? "" : " " + std::to_string(keys(bad))) + "]");
     }
