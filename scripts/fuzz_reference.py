@@ -13,9 +13,9 @@ keys appended in place, the cache checked too).  Every result must pass the suit
 zeros and +inf LSE on rows that see no key).  Failures are printed with the case's parameters; the exit
 status is the number of failures (capped at 100).
 
-The softmax scale stays <= 0.3: at larger scales a row's softmax is nearly one-hot and the backward's
-D = rowsum(dO * O), taken from O in its dtype as FA2 takes it, dominates dq/dk's error; see docs/design.md,
-"Numerical stability".  Not part of the test suite: it has no fixed outcome to assert beyond "no failure",
+Explicit softmax scales are at most 0.3 (the default, 1/sqrt(d), is larger below head dim 12): at larger
+scales a row's softmax is nearly one-hot and the backward's D = rowsum(dO * O), taken from O in its dtype as
+FA2 takes it, dominates dq/dk's error; see docs/design.md, "Numerical stability".  Not part of the test suite: it has no fixed outcome to assert beyond "no failure",
 and its run time is whatever --seconds says.
 """
 from __future__ import annotations
