@@ -196,8 +196,8 @@ bool swap_query_groups(at::Tensor const& q, at::Tensor const& k, int64_t window_
 at::Tensor groups_as_rows(at::Tensor const& q, int64_t h_k);
 // The results of such a call, allocated in the caller's layout (out (b, 1, h, d), lse (b, h, 1)), and the views
 // of them that the kernel writes as rows (out_rows (b, g, h_k, d), lse_rows (b, h_k, g)): the kernel's strided
-// output lands where the caller wants it, with no copy afterwards (a copy of a decode step's output cost about
-// a quarter of a small call's time on the CPU: ATen's dispatch, not the bytes).
+// output lands where the caller wants it, with no copy afterwards (that copy was about a quarter of the op's
+// time in a small decode call on the CPU: ATen's dispatch, not the bytes; docs/perf.md).
 struct GroupedOutputs {
   at::Tensor out, lse, out_rows, lse_rows;
 };
