@@ -1,6 +1,7 @@
 """FA2 2.8-compatible Python API.  Every attention function ends in one call of ``torch.ops.flash_ext.fwd`` (or
-``varlen_fwd``), whose registered autograd runs ``torch.ops.flash_ext.bwd`` (``varlen_bwd``); the explicit backward
-functions (``flash_attn_backward``, ``flash_attn_varlen_backward``) call those ops directly."""
+``varlen_fwd``), whose registered autograd runs ``torch.ops.flash_ext.bwd`` (``varlen_bwd``) (a call that can record
+no graph goes below the autograd layer: ``_call_forward_op``); the explicit backward functions
+(``flash_attn_backward``, ``flash_attn_varlen_backward``) call those ops directly."""
 from __future__ import annotations
 
 import numbers
@@ -83,6 +84,26 @@ def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
         errors.append(str(e))
     raise ValueError(f"flash_ext.fwd: {len(errors)} invalid argument{'s' if len(errors) > 1 else ''}:" +
                      "".join(f"\n  - {e}" for e in errors))
+
+
+# Where a call can record no graph, the forward ops are called below the autograd layer.  The autograd kernel
+# that torch.library.register_autograd installs (_ops.py) is Python: every call through it converts its arguments
+# from the dispatcher to Python objects and back (~9 us per call on a Zen 3, docs/perf.md), only to find that
+# nothing requires grad and redispatch below autograd itself.  Not while compiling: the traced graph keeps the op
+# as registered.
+_below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+
+
+def _call_forward_op(op, grad_inputs: Tuple, *args):
+    """``op(*args)`` for a forward op with an autograd formula (``fwd``, ``varlen_fwd``): through autograd when
+    grad mode is on and one of ``grad_inputs`` (the differentiable tensors, as passed to the op) requires grad,
+    else directly below it, with the same result (outputs that do not require grad)."""
+    if (_below_autograd is None or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled()
+                and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grad_inputs))):
+        return op(*args)
+    with _below_autograd():
+        return op(*args)
 
 
 def maybe_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -169,9 +190,9 @@ def flash_attn_func(
     """
     _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=4)
-    out, lse, rng_state = torch.ops.flash_ext.fwd(q, k, v, softmax_scale, bool(causal), int(window_size[0]),
-                                                  int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
-                                                  float(dropout_p), None, bool(deterministic))
+    out, lse, rng_state = _call_forward_op(
+        torch.ops.flash_ext.fwd, (q, k, v, alibi_slopes), q, k, v, softmax_scale, bool(causal), int(window_size[0]),
+        int(window_size[1]), float(softcap), alibi_slopes, int(num_splits), float(dropout_p), None, bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:
@@ -266,8 +287,8 @@ def flash_attn_varlen_func(
     _check_python_args(dropout_p, window_size, softmax_scale)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3,
                                                     kv_rank=4 if block_table is not None else 3)
-    out, lse, rng_state = torch.ops.flash_ext.varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+    out, lse, rng_state = _call_forward_op(
+        torch.ops.flash_ext.varlen_fwd, (q, k, v, alibi_slopes), q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
         block_table, float(dropout_p), None, bool(deterministic))
     if out.shape[-1] != head_dim:

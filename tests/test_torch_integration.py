@@ -68,6 +68,45 @@ def test_inference_mode_and_no_grad():
         assert torch.equal(flash_attn_func(q, k, v), ref)
 
 
+# flash_attn_func and flash_attn_varlen_func call their op below the autograd layer when no graph can be
+# recorded (interface._call_forward_op): a graph must still be recorded exactly when grad mode is on and one of
+# q, k, v or alibi_slopes requires grad, and the result must not depend on the path.
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("grad_input", [None, "q", "k", "v", "alibi_slopes"])
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_graph_recorded_exactly_when_needed(varlen, grad_input, grad_mode):
+    q, k, v = make_qkv(2, 9, 13, 4, 2, 32, torch.bfloat16)
+    alibi = make_alibi(2, 4)
+    if varlen:
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        alibi = alibi[0]
+        cu_q = torch.tensor([0, 9, 18], dtype=torch.int32)
+        cu_k = torch.tensor([0, 13, 26], dtype=torch.int32)
+        call = lambda q, k, v, alibi: flash_ext.flash_attn_varlen_func(  # noqa: E731
+            q, k, v, cu_q, cu_k, 9, 13, causal=True, alibi_slopes=alibi)
+    else:
+        call = lambda q, k, v, alibi: flash_attn_func(q, k, v, causal=True, alibi_slopes=alibi)  # noqa: E731
+    with torch.no_grad():
+        ref = call(q, k, v, alibi)
+    inputs = {"q": q, "k": k, "v": v, "alibi_slopes": alibi}
+    if grad_input is not None:
+        inputs[grad_input] = inputs[grad_input].clone().requires_grad_()
+    with torch.set_grad_enabled(grad_mode):
+        out = call(inputs["q"], inputs["k"], inputs["v"], inputs["alibi_slopes"])
+    recorded = grad_mode and grad_input is not None
+    assert out.requires_grad == recorded and (out.grad_fn is not None) == recorded
+    assert torch.equal(out.detach(), ref)
+    if not recorded:
+        return
+    if grad_input == "alibi_slopes":  # no gradient for the slopes: refused at backward, as before
+        with pytest.raises(NotImplementedError, match="alibi_slopes"):
+            out.float().sum().backward()
+        return
+    out.float().sum().backward()
+    grad = inputs[grad_input].grad
+    assert grad is not None and grad.shape == inputs[grad_input].shape and grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph(device):
     """Odd head dim (padding path), GQA, causal, softcap; compiled == eager bit for bit."""
