@@ -58,6 +58,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_ext/host_isa.h"
 #include "flash_ext/philox.h"
@@ -1265,10 +1266,12 @@ FLASH_EXT_INLINE void zero_accumulators(vf (&acc)[R][NK]) {
   }
 }
 
-// C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK: kLanes of them per vsum_each, key-major (slot
-// j * R + m), so that each key's R rows come out as one run of C's column.
+// C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK (store: C(m, n0 + j) = them): kLanes of them per
+// vsum_each, key-major (slot j * R + m), so that each key's R rows come out as one run of C's column.  Storing
+// is adding to a zeroed C bit for bit (a lane sum is never -0: its accumulator starts at +0), without the
+// zeroing pass over C and the read of it back.
 template <int R, int NK>
-FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK]) {
+FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK], bool store = false) {
   constexpr int kSlots = R * NK;
 #pragma GCC unroll 4
   for (int s0 = 0; s0 < kSlots; s0 += kLanes) {
@@ -1281,14 +1284,21 @@ FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK
 #pragma GCC unroll 16
       for (int j = s0 / R; j < (s0 + kLanes) / R && j < NK; ++j) {
         float run[R];
-        __builtin_memcpy(run, c + j * ldc, sizeof(run));
+        if (store) {
+          __builtin_memcpy(run, sums + j * R - s0, sizeof(run));
+        } else {
+          __builtin_memcpy(run, c + j * ldc, sizeof(run));
 #pragma GCC unroll 8
-        for (int m = 0; m < R; ++m) { run[m] += sums[j * R + m - s0]; }
+          for (int m = 0; m < R; ++m) { run[m] += sums[j * R + m - s0]; }
+        }
         __builtin_memcpy(c + j * ldc, run, sizeof(run));
       }
     } else {
 #pragma GCC unroll 16
-      for (int i = 0; i < kLanes && s0 + i < kSlots; ++i) { c[(s0 + i) / R * ldc + (s0 + i) % R] += sums[i]; }
+      for (int i = 0; i < kLanes && s0 + i < kSlots; ++i) {
+        float& ci = c[(s0 + i) / R * ldc + (s0 + i) % R];
+        ci = store ? sums[i] : ci + sums[i];
+      }
     }
   }
 }
@@ -1357,7 +1367,7 @@ FLASH_EXT_INLINE void small_dots_block(HostGemmArgs const& g, float const* at, i
       for (int m = 0; m < R; ++m) { acc[m][j] = vfma(av[m], bv, acc[m][j]); }
     }
   }
-  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc);
+  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc, g.overwrite);
 }
 
 template <int R, int NK, HostDType kB>
@@ -1436,29 +1446,42 @@ FLASH_EXT_INLINE int pair_order(int k) {  // where depth k of a transposed A row
 // A's R rows, depth values from a, into at[m * depth + k] (pairs: at pair_order(k)).  A column-major A whose
 // columns are at least a vector apart (the body's Q fragment: 16 rows or more, rows contiguous) goes kLanes
 // columns at a time through vtranspose: the columns k0 + step * i (step 2 for pairs: a group's even or odd
-// ones) as its input vectors, row m's kLanes values as its output m.  A vector read from a column may run
-// past row R into the next column, never past the last column: the group holding it goes element by element,
-// as every A did before (that was ~15% of a 4-row Q.K^T's time on AVX2, bf16, d = 128).
+// ones) as its input vectors, row m's kLanes values as its output m.  A vector read from a column runs past
+// row R into the rest of the column's stride, never past the last column: the last group's columns are read R
+// values each, into zeroed vectors (element by element through pair_order, that group was ~40% of a 4-row
+// decode Q.K^T's fixed cost per call on AVX2; docs/perf.md).
 template <int R>
 FLASH_EXT_INLINE void transpose_small_a(HostGemmArgs const& g, float const* a, int depth, bool pairs, float* at) {
-  int k_vec = 0;  // depth transposed by vectors: whole groups of 2 kLanes, the last column's group excluded
-  if (g.a_ms == 1 && g.a_ks >= kLanes && depth % (2 * kLanes) == 0) { k_vec = depth - 2 * kLanes; }
+  if (!(g.a_ms == 1 && g.a_ks >= kLanes && depth % (2 * kLanes) == 0)) {
+    for (int m = 0; m < R; ++m) {
+      for (int k = 0; k < depth; ++k) { at[m * depth + (pairs ? pair_order(k) : k)] = a[m * g.a_ms + int64_t(k) * g.a_ks]; }
+    }
+    return;
+  }
   int const step = pairs ? 2 : 1;
-  for (int k = 0; k < k_vec; k += 2 * kLanes) {
+  auto group = [&](int k, auto whole_columns) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {  // pairs: the even columns, then the odd ones; else k, then k + kLanes
       int const first = k + (pairs ? half : half * kLanes);
       vu in[kLanes], out[kLanes];
 #pragma GCC unroll 16
-      for (int i = 0; i < kLanes; ++i) { __builtin_memcpy(&in[i], a + int64_t(first + step * i) * g.a_ks, sizeof(vu)); }
+      for (int i = 0; i < kLanes; ++i) {
+        float const* column = a + int64_t(first + step * i) * g.a_ks;
+        if constexpr (decltype(whole_columns)::value) {
+          __builtin_memcpy(&in[i], column, sizeof(vu));
+        } else {
+          in[i] = vu{};
+          __builtin_memcpy(&in[i], column, R * sizeof(float));
+        }
+      }
       vtranspose(in, out);
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) { __builtin_memcpy(at + m * depth + k + half * kLanes, &out[m], sizeof(vu)); }
     }
-  }
-  for (int m = 0; m < R; ++m) {
-    for (int k = k_vec; k < depth; ++k) { at[m * depth + (pairs ? pair_order(k) : k)] = a[m * g.a_ms + int64_t(k) * g.a_ks]; }
-  }
+  };
+  int const last = depth - 2 * kLanes;
+  for (int k = 0; k < last; k += 2 * kLanes) { group(k, std::true_type{}); }
+  group(last, std::false_type{});
 }
 
 template <int R, int NK>
@@ -1477,7 +1500,7 @@ FLASH_EXT_INLINE void small_pair_dots_block(HostGemmArgs const& g, float const* 
       }
     }
   }
-  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc);
+  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc, g.overwrite);
 }
 
 template <int R, int NK>
@@ -1489,30 +1512,38 @@ void small_pair_dots_cols(HostGemmArgs const& g, float const* at, int n0, int k0
   }
 }
 
+// An overwriting product: the orientation along C's columns accumulates into C zeroed first; the dot products
+// store their first depth chunk's sums and add the later ones (add_lane_sums).  The former is a function of its
+// own (noinline): compiled into one with the dot products, its P.V loop ran short of integer registers, the loop
+// counter and strides reloaded from the stack (bench_host_gemm's decode tile, 4 rows, Zen 3: P.V 2287-2311 ns
+// against 1842-1888 apart).
 template <int R, HostDType kB>
-void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
-  if (cols_contiguous) {
-    int const n_vec = g.cols / kLanes * kLanes;
-    if constexpr (kB == HostDType::kBF16) {  // pairs of vectors first, then a single vector's columns
-      constexpr int CP = small_col_vectors<R>() / 2 < 1 ? 1 : small_col_vectors<R>() / 2;
-      int const n_pair = g.cols / (2 * kLanes) * (2 * kLanes);
-      small_pair_rows_cols<R, CP>(g, 0, n_pair);
-      small_rows_cols<R, 1, kB>(g, n_pair, n_vec);
-    } else {
-      small_rows_cols<R, small_col_vectors<R>(), kB>(g, 0, n_vec);
-    }
-    if (n_vec < g.cols) {  // the last few columns, by the blocks
-      HostGemmArgs rest = g;
-      rest.c += int64_t(n_vec) * g.ldc;
-      rest.b = offset(g.b, n_vec, kB);
-      rest.cols = g.cols - n_vec;
-      gemm_blocks(rest);
-    }
-    return;
+__attribute__((noinline)) void small_gemm_along_cols(HostGemmArgs const& in) {
+  HostGemmArgs const g = accumulating(in);
+  int const n_vec = g.cols / kLanes * kLanes;
+  if constexpr (kB == HostDType::kBF16) {  // pairs of vectors first, then a single vector's columns
+    constexpr int CP = small_col_vectors<R>() / 2 < 1 ? 1 : small_col_vectors<R>() / 2;
+    int const n_pair = g.cols / (2 * kLanes) * (2 * kLanes);
+    small_pair_rows_cols<R, CP>(g, 0, n_pair);
+    small_rows_cols<R, 1, kB>(g, n_pair, n_vec);
+  } else {
+    small_rows_cols<R, small_col_vectors<R>(), kB>(g, 0, n_vec);
   }
-  float const* a = static_cast<float const*>(g.a);
+  if (n_vec < g.cols) {  // the last few columns, by the blocks
+    HostGemmArgs rest = g;
+    rest.c += int64_t(n_vec) * g.ldc;
+    rest.b = offset(g.b, n_vec, kB);
+    rest.cols = g.cols - n_vec;
+    gemm_blocks(rest);
+  }
+}
+
+template <int R, HostDType kB>
+FLASH_EXT_INLINE void small_gemm_dots(HostGemmArgs const& in) {
+  float const* a = static_cast<float const*>(in.a);
   alignas(64) float at[R * kSmallDepth];
-  for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth) {
+  HostGemmArgs g = in;
+  for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth, g.overwrite = false) {
     int const depth = g.depth - k0 < kSmallDepth ? g.depth - k0 : kSmallDepth;
     // bf16 K by pairs where the chunk is whole groups of 2 kLanes (every head dim the op compiles; kSmallDepth is one)
     bool const pairs = kB == HostDType::kBF16 && depth % (2 * kLanes) == 0;
@@ -1525,6 +1556,12 @@ void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
     }
     small_dots_cols<R, small_keys<R>(), kB>(g, at, 0, k0, depth);
   }
+}
+
+template <int R, HostDType kB>
+void small_gemm(HostGemmArgs const& g, bool cols_contiguous) {
+  if (cols_contiguous) { return small_gemm_along_cols<R, kB>(g); }
+  small_gemm_dots<R, kB>(g);
 }
 
 template <int R>
@@ -1731,7 +1768,7 @@ bool gemm_few_rows(HostGemmArgs const& g) {
   bool const cols_contiguous = g.b_ns == 1 && g.cols >= kLanes;
   bool const depth_contiguous = g.b_ks == 1 && g.depth % kLanes == 0;
   if (!cols_contiguous && !depth_contiguous) { return false; }
-  small_gemm_rows<1>(accumulating(g), cols_contiguous);
+  small_gemm_rows<1>(g, cols_contiguous);  // overwriting as small_gemm does it
   return true;
 }
 
