@@ -1273,6 +1273,16 @@ FLASH_EXT_INLINE void zero_accumulators(vf (&acc)[R][NK]) {
 template <int R, int NK>
 FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK], bool store = false) {
   constexpr int kSlots = R * NK;
+  constexpr int kPadded = (R + kLanes - 1) / kLanes * kLanes;
+  if constexpr (kPadded > R) {  // rows R .. the vector boundary: zero, as the zeroing pass that storing replaces left them
+    if (store) {
+#pragma GCC unroll 16
+      for (int j = 0; j < NK; ++j) {
+        float const zeros[kPadded - R] = {};
+        __builtin_memcpy(c + j * ldc + R, zeros, sizeof(zeros));
+      }
+    }
+  }
 #pragma GCC unroll 4
   for (int s0 = 0; s0 < kSlots; s0 += kLanes) {
     vf slots[kLanes];
