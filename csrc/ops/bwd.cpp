@@ -51,7 +51,8 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
   like(dv, "dv", k, "k/v", true);
   bool const lse_ok = lse.scalar_type() == at::kFloat && lse.device() == q.device() &&
                       lse.sizes() == at::IntArrayRef(lse_shape);
-  FLASH_EXT_REQUIRE(c, lse_ok, "softmax_lse", str(lse.scalar_type()) + " " + str(lse.sizes()) + " on " + str(lse.device()),
+  FLASH_EXT_REQUIRE(c, lse_ok, "softmax_lse",
+            str(lse.scalar_type()) + " " + str(lse.sizes()) + " on " + str(lse.device()),
             "must be float32 " + str(at::IntArrayRef(lse_shape)) + " on q's device (the forward's softmax_lse)");
   check_no_overlap(c, {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}},
                    {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "softmax_lse"}});
@@ -61,7 +62,8 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
 void check_dlse(ArgChecker& c, std::optional<at::Tensor> const& dlse, at::Tensor const& lse) {
   if (!dlse.has_value()) { return; }
   bool const ok = dlse->scalar_type() == at::kFloat && dlse->sizes() == lse.sizes() && dlse->device() == lse.device();
-  FLASH_EXT_REQUIRE(c, ok, "dsoftmax_lse", str(dlse->scalar_type()) + " " + str(dlse->sizes()) + " on " + str(dlse->device()),
+  FLASH_EXT_REQUIRE(c, ok, "dsoftmax_lse",
+            str(dlse->scalar_type()) + " " + str(dlse->sizes()) + " on " + str(dlse->device()),
             "must be float32 with softmax_lse's shape " + str(lse.sizes()) + " and device");
 }
 
@@ -102,7 +104,8 @@ void check_bwd_head_dim(ArgChecker& c, at::Tensor const& q) {
 struct GradBuffer {
   at::Tensor& user;
   at::Tensor kernel;
-  explicit GradBuffer(at::Tensor& t) : user(t), kernel(t.is_cuda() && !aligned16(t) ? at::empty(t.sizes(), t.options()) : t) {}
+  explicit GradBuffer(at::Tensor& t)
+      : user(t), kernel(t.is_cuda() && !aligned16(t) ? at::empty(t.sizes(), t.options()) : t) {}
   void finish() {
     if (!kernel.is_same(user)) { user.copy_(kernel); }
   }
@@ -133,7 +136,8 @@ at::Tensor launch_bwd(BwdParams& p, at::Tensor const& dout, at::Tensor const& q,
   auto strides = [r](at::Tensor const& t, index_t& batch, index_t& row, index_t& head) {
     batch = r ? t.stride(0) : 0, row = t.stride(r), head = t.stride(r + 1);
   };
-  p.do_ptr = in_do.data_ptr(), p.dq_ptr = gq.kernel.data_ptr(), p.dk_ptr = gk.kernel.data_ptr(), p.dv_ptr = gv.kernel.data_ptr();
+  p.do_ptr = in_do.data_ptr(), p.dq_ptr = gq.kernel.data_ptr(), p.dk_ptr = gk.kernel.data_ptr(),
+      p.dv_ptr = gv.kernel.data_ptr();
   strides(in_do, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
   strides(gq.kernel, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
   strides(gk.kernel, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
@@ -154,7 +158,8 @@ at::Tensor launch_bwd(BwdParams& p, at::Tensor const& dout, at::Tensor const& q,
   DType const dtype = to_dtype(q.scalar_type());
   if (dev.cuda) {
 #if defined(FLASH_EXT_WITH_CUDA)
-    CudaBwdPlan const plan = plan_bwd_cuda(p, dtype, dev.cc_major, dev.cc_minor, dev.smem_per_block_optin, dev.processors);
+    CudaBwdPlan const plan = plan_bwd_cuda(p, dtype, dev.cc_major, dev.cc_minor, dev.smem_per_block_optin,
+                                           dev.processors);
     TORCH_CHECK_VALUE(plan.ok, op, " (CUDA): ", plan.why);  // before anything is written
     p.dq_accum_splits = plan.dq_splits;
 #endif
@@ -230,8 +235,8 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
   p.seqlen_q = int(sq);
   p.seqlen_k = int(sk);
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
-  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse, dropout_p,
-                    rng_state, b * sq,
+  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse,
+                    dropout_p, rng_state, b * sq,
                     {b, h, sq}, /*zero_grads=*/false, "flash_ext.bwd");
 }
 
@@ -275,8 +280,10 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
     int const* cu_q = idx.values(s_cu_q);
     int const* cu_k = idx.values(s_cu_k);
     // Rows of q past the last sequence (a padded batch, as the forward accepts) get zero gradients.
-    check_cu_seqlens_values(c, cu_q, b + 1, "cu_seqlens_q", q.size(0), /*total_exact=*/false, max_seqlen_q, "max_seqlen_q");
-    check_cu_seqlens_values(c, cu_k, b + 1, "cu_seqlens_k", k.size(0), /*total_exact=*/false, max_seqlen_k, "max_seqlen_k");
+    check_cu_seqlens_values(c, cu_q, b + 1, "cu_seqlens_q", q.size(0), /*total_exact=*/false, max_seqlen_q,
+                            "max_seqlen_q");
+    check_cu_seqlens_values(c, cu_k, b + 1, "cu_seqlens_k", k.size(0), /*total_exact=*/false, max_seqlen_k,
+                            "max_seqlen_k");
     bool every_row_covered = cu_k[b] == k.size(0) && cu_q[b] == q.size(0);
     if (seqused_k.has_value()) {
       int const* used = idx.values(s_used);
@@ -315,8 +322,8 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
   p.cu_seqlens_k = cu_k.data_ptr<int>();
   p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
   set_semantics(p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes);
-  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse, dropout_p,
-                    rng_state, total_q,
+  return launch_bwd(p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, deterministic, dsoftmax_lse,
+                    dropout_p, rng_state, total_q,
                     {h, total_q}, zero_grads, "flash_ext.varlen_bwd");
 }
 

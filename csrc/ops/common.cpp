@@ -126,7 +126,8 @@ TileChoice choose_tile(FwdParams const& p, at::Tensor const& q, DeviceInfo const
     return t;
   }
 #if defined(FLASH_EXT_WITH_CUDA)
-  return from_cuda_plan(plan_fwd_cuda(p, to_dtype(q.scalar_type()), dev.cc_major, dev.cc_minor, dev.smem_per_block_optin));
+  return from_cuda_plan(plan_fwd_cuda(p, to_dtype(q.scalar_type()), dev.cc_major, dev.cc_minor,
+                                      dev.smem_per_block_optin));
 #else
   t.why = "flash_ext was built without CUDA";
 #endif
@@ -180,7 +181,8 @@ void launch_emulated(FwdParams const& params, KernelInputs const& in, at::Tensor
         named = true;
       }
     }
-    TORCH_CHECK(named, op, " (warp emulator): the test fault '", fault, "' names no tensor of this launch (", names, ")");
+    TORCH_CHECK(named, op, " (warp emulator): the test fault '", fault, "' names no tensor of this launch (",
+                names, ")");
   }
   run.parallel_for = [](int64_t begin, int64_t end, std::function<void(int64_t, int64_t)> const& body) {
     at::parallel_for(begin, end, /*grain_size=*/1, body);
@@ -232,7 +234,8 @@ bool emulated(at::Tensor const& q) {
     mode = g_emulate;
   }
   if (mode.empty()) { return false; }
-  TORCH_CHECK_VALUE(mode == "sm80", "FLASH_EXT_EMULATE: got '", mode, "'; the warp emulator emulates 'sm80' (or unset it)");
+  TORCH_CHECK_VALUE(mode == "sm80", "FLASH_EXT_EMULATE: got '", mode,
+                    "'; the warp emulator emulates 'sm80' (or unset it)");
   TORCH_CHECK_VALUE(emulator_built(), "FLASH_EXT_EMULATE=sm80: flash_ext was built without the warp emulator; "
                     "rebuild with FLASH_EXT_EMULATOR=1");
   return true;
@@ -362,7 +365,8 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
                bool kv_cache, bool paged_varlen, bool any_head_dim) {
   int64_t const rank = varlen ? 3 : 4;
   int64_t const kv_rank = varlen && !paged_varlen ? 3 : 4;
-  char const* const q_rule = varlen ? "must be (total_q, heads, head_dim)" : "must be (batch, seqlen_q, heads, head_dim)";
+  char const* const q_rule = varlen ? "must be (total_q, heads, head_dim)"
+                                    : "must be (batch, seqlen_q, heads, head_dim)";
   char const* const kv_rule = paged_varlen ? "must be (num_pages, page_size, heads_k, head_dim) with block_table"
                               : varlen     ? "must be (total_k, heads_k, head_dim)"
                               : kv_cache   ? "must be (batch_cache, seqlen_cache, heads_k, head_dim) or pages"
@@ -373,7 +377,8 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   FLASH_EXT_REQUIRE(c, v.dim() == kv_rank, vname, std::to_string(v.dim()) + " dims " + str(v.sizes()), kv_rule);
   auto const dt = q.scalar_type();
   bool const dtype_ok = dt == at::kHalf || dt == at::kBFloat16 || (dt == at::kFloat && q.device().is_cpu());
-  FLASH_EXT_REQUIRE(c, dtype_ok, "q.dtype", str(dt), q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
+  FLASH_EXT_REQUIRE(c, dtype_ok, "q.dtype", str(dt),
+            q.device().is_cpu() ? "must be float16, bfloat16 or float32" : "must be float16 or bfloat16 on CUDA");
   FLASH_EXT_REQUIRE(c, k.scalar_type() == dt && v.scalar_type() == dt, kname + ".dtype/" + vname + ".dtype",
             str(k.scalar_type()) + "/" + str(v.scalar_type()), "must equal q.dtype (" + str(dt) + ")");
   FLASH_EXT_REQUIRE(c, k.device() == q.device() && v.device() == q.device(), kname + ".device/" + vname + ".device",
@@ -389,14 +394,16 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
   int64_t const d = q.size(-1), h = q.size(-2), hk = k.size(-2);
   FLASH_EXT_REQUIRE(c, d >= 1 && d <= 256, "head_dim", std::to_string(d), "must be in [1, 256]");
   if (!any_head_dim && d >= 1 && d <= 256) {  // one rule per wrong value: the range above comes first
-    FLASH_EXT_REQUIRE(c, d % 8 == 0, "head_dim", std::to_string(d), "must be a multiple of 8 at the op (the Python functions pad other sizes)");
+    FLASH_EXT_REQUIRE(c, d % 8 == 0, "head_dim", std::to_string(d),
+              "must be a multiple of 8 at the op (the Python functions pad other sizes)");
   }
   // FLASH_EXT_CPU_ISA naming a level this build or CPU cannot run: refused, never replaced by another (an
   // emulated call runs the Sm80 kernels, not the host micro-kernels).
   if (q.device().is_cpu() && !emulated(q)) {
     char const* isa_error = host_isa_selection_error();
     char const* env = std::getenv("FLASH_EXT_CPU_ISA");
-    FLASH_EXT_REQUIRE(c, *isa_error == '\0', "FLASH_EXT_CPU_ISA (environment)", std::string("'") + (env ? env : "") + "'",
+    FLASH_EXT_REQUIRE(c, *isa_error == '\0', "FLASH_EXT_CPU_ISA (environment)",
+              std::string("'") + (env ? env : "") + "'",
               std::string(isa_error) + "; unset it or name a level this CPU runs (best here: " +
                   host_isa_name(host_isa_best()) + ")");
   }
@@ -417,12 +424,16 @@ bool check_qkv(ArgChecker& c, at::Tensor const& q, at::Tensor const& k, at::Tens
                     " including a head dim >= " + std::to_string(d));
     }
   }
-  FLASH_EXT_REQUIRE(c, k.sizes() == v.sizes(), vname + ".shape", str(v.sizes()), "must equal " + kname + ".shape " + str(k.sizes()));
+  FLASH_EXT_REQUIRE(c, k.sizes() == v.sizes(), vname + ".shape", str(v.sizes()),
+            "must equal " + kname + ".shape " + str(k.sizes()));
   if (!varlen && !kv_cache) {
-    FLASH_EXT_REQUIRE(c, k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)), "must equal q batch " + std::to_string(q.size(0)));
+    FLASH_EXT_REQUIRE(c, k.size(0) == q.size(0), "k.shape[0]", std::to_string(k.size(0)),
+              "must equal q batch " + std::to_string(q.size(0)));
   }
-  FLASH_EXT_REQUIRE(c, k.size(-1) == d, kname + ".shape[-1]", std::to_string(k.size(-1)), "must equal q head_dim " + std::to_string(d));
-  FLASH_EXT_REQUIRE(c, hk > 0 && h % hk == 0, "heads", "q " + std::to_string(h) + ", " + kname + " " + std::to_string(hk),
+  FLASH_EXT_REQUIRE(c, k.size(-1) == d, kname + ".shape[-1]", std::to_string(k.size(-1)),
+            "must equal q head_dim " + std::to_string(d));
+  FLASH_EXT_REQUIRE(c, hk > 0 && h % hk == 0, "heads",
+            "q " + std::to_string(h) + ", " + kname + " " + std::to_string(hk),
             "q heads must be a multiple of k/v heads (MQA/GQA)");
   return true;
 }
@@ -435,16 +446,18 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
             "must be <= " + std::to_string(kMaxSplits) + " (0 or less: heuristic, 1: no split, n: n splits)");
   FLASH_EXT_REQUIRE(c, std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite (<= 0: off)");
   // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
-  FLASH_EXT_REQUIRE(c, std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale", std::to_string(softmax_scale),
-            "must be finite and > 0");
+  FLASH_EXT_REQUIRE(c, std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale",
+            std::to_string(softmax_scale), "must be finite and > 0");
   if (alibi_slopes.has_value()) {
     auto const& a = *alibi_slopes;
-    bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == heads);
+    bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) ||
+                          (a.dim() == 2 && a.size(0) == batch && a.size(1) == heads);
     FLASH_EXT_REQUIRE(c, shape_ok || heads < 0, "alibi_slopes.shape", str(a.sizes()),
-              "must be (heads,) = (" + std::to_string(heads) + ",) or (batch, heads) = (" + std::to_string(batch) + ", " +
-                  std::to_string(heads) + ")");
+              "must be (heads,) = (" + std::to_string(heads) + ",) or (batch, heads) = (" + std::to_string(batch) +
+                  ", " + std::to_string(heads) + ")");
     FLASH_EXT_REQUIRE(c, a.scalar_type() == at::kFloat, "alibi_slopes.dtype", str(a.scalar_type()), "must be float32");
-    FLASH_EXT_REQUIRE(c, a.device() == q.device(), "alibi_slopes.device", str(a.device()), "must equal q.device (" + str(q.device()) + ")");
+    FLASH_EXT_REQUIRE(c, a.device() == q.device(), "alibi_slopes.device", str(a.device()),
+              "must equal q.device (" + str(q.device()) + ")");
   }
 }
 
@@ -461,8 +474,8 @@ void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, ch
               "strides " + str(t->strides()) + " with elements that share memory",
               "is written: must not overlap itself (e.g. not an expand()ed tensor)");
     for (size_t j = i + 1; j < written.size(); ++j) {
-      FLASH_EXT_REQUIRE(c, !shares(*t, *written[j].first), std::string(name) + "/" + written[j].second, "tensors sharing memory",
-                "are both written: must not overlap each other");
+      FLASH_EXT_REQUIRE(c, !shares(*t, *written[j].first), std::string(name) + "/" + written[j].second,
+                "tensors sharing memory", "are both written: must not overlap each other");
     }
     for (auto const& [r, r_name] : read) {
       FLASH_EXT_REQUIRE(c, !shares(*t, *r), std::string(name) + "/" + r_name, "tensors sharing memory",
@@ -475,7 +488,8 @@ void check_lengths(ArgChecker& c, int64_t seqlen_q, int64_t seqlen_k, std::strin
                    int64_t num_splits) {
   FLASH_EXT_REQUIRE(c, seqlen_q + seqlen_k <= kMaxLengthSum, what,
             "seqlen_q " + std::to_string(seqlen_q) + " + seqlen_k " + std::to_string(seqlen_k),
-            "the sum must be <= " + std::to_string(kMaxLengthSum) + ": the kernels index rows and keys with 32-bit ints");
+            "the sum must be <= " + std::to_string(kMaxLengthSum) +
+                ": the kernels index rows and keys with 32-bit ints");
   FLASH_EXT_REQUIRE(c, num_splits <= 1 || rows <= INT32_MAX, "num_splits", std::to_string(num_splits) + " with " +
             std::to_string(rows) + " query rows", "split-KV partials are addressed with 32-bit rows: at most " +
             std::to_string(INT32_MAX) + " rows (use num_splits=0 or 1)");
@@ -627,7 +641,9 @@ std::string plan_to_json(Plan const& plan) {
   std::ostringstream os;
   auto b = [](bool x) { return x ? "true" : "false"; };
   os << "{\"ok\": " << b(plan.ok) << ", \"reasons\": [";
-  for (size_t i = 0; i < plan.reasons.size(); ++i) { os << (i ? ", " : "") << "\"" << json_escape(plan.reasons[i]) << "\""; }
+  for (size_t i = 0; i < plan.reasons.size(); ++i) {
+    os << (i ? ", " : "") << "\"" << json_escape(plan.reasons[i]) << "\"";
+  }
   os << "], \"device\": \"" << json_escape(plan.device) << "\", \"backend\": \"" << plan.backend << "\""
      << ", \"head_dim\": " << plan.head_dim << ", \"head_dim_tile\": " << plan.head_dim_tile
      << ", \"block_m\": " << plan.block_m << ", \"block_n\": " << plan.block_n

@@ -34,12 +34,13 @@ uint32_t keep_threshold(double dropout_p) { return uint32_t(std::floor((1.0 - dr
 }  // namespace
 
 void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::optional<at::Tensor> const& rng_state) {
-  FLASH_EXT_REQUIRE(c, std::isfinite(dropout_p) && dropout_p >= 0 && dropout_p < 1, "dropout_p", std::to_string(dropout_p),
+  FLASH_EXT_REQUIRE(c, std::isfinite(dropout_p) && dropout_p >= 0 && dropout_p < 1, "dropout_p",
+            std::to_string(dropout_p),
             "must be in [0, 1) (1 would drop every probability; flash_attn 2.8 refuses it too)");
   if (rng_state.has_value()) {
     auto const& r = *rng_state;
-    FLASH_EXT_REQUIRE(c, r.dim() == 1 && r.size(0) == 2 && r.scalar_type() == at::kLong && r.device() == device, "rng_state",
-              str(r.scalar_type()) + " " + str(r.sizes()) + " on " + str(r.device()),
+    FLASH_EXT_REQUIRE(c, r.dim() == 1 && r.size(0) == 2 && r.scalar_type() == at::kLong && r.device() == device,
+              "rng_state", str(r.scalar_type()) + " " + str(r.sizes()) + " on " + str(r.device()),
               "must be an int64 tensor of shape (2,) = (seed, offset), as a previous call returned it, on " +
                   str(device));
   }
@@ -58,7 +59,8 @@ at::Tensor idle_rng_state(at::Tensor const& q, double dropout_p, std::optional<a
 //   CUDA: the generator's Philox state, its offset advanced by kPhiloxOffsetIncrement.  Under CUDA graph
 //         capture the seed and the offset base are device pointers that the kernel reads at replay (not values
 //         baked in at capture), so every replay draws a fresh mask, as PyTorch's own fused kernels do.
-DropoutState set_dropout(FwdParams& p, at::Tensor const& q, double dropout_p, std::optional<at::Tensor> const& rng_state) {
+DropoutState set_dropout(FwdParams& p, at::Tensor const& q, double dropout_p,
+                         std::optional<at::Tensor> const& rng_state) {
   auto const opts = q.options().dtype(at::kLong);
   if (dropout_p == 0) { return {at::empty({0}, opts), {}}; }
   p.is_dropout = true;
@@ -109,7 +111,8 @@ at::Tensor dropout_mask(at::Tensor const& rng_state, double dropout_p, int64_t b
   check_dropout(c, rng_state.device(), dropout_p, rng_state);
   for (auto const& [name, x] : {std::pair{"batch", batch}, std::pair{"heads", heads}, std::pair{"seqlen_q", seqlen_q},
                                 std::pair{"seqlen_k", seqlen_k}}) {
-    FLASH_EXT_REQUIRE(c, x >= 0 && x <= std::numeric_limits<int>::max(), name, std::to_string(x), "must be in [0, 2^31)");
+    FLASH_EXT_REQUIRE(c, x >= 0 && x <= std::numeric_limits<int>::max(), name, std::to_string(x),
+              "must be in [0, 2^31)");
   }
   c.raise_if_any();
   at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));

@@ -24,7 +24,8 @@ struct DropoutState {
 // The dropout fields of params for one launch; without dropout, only an empty rng_state output.  Draws from
 // the default generator (under its mutex) unless rng_state is given: call it last before the launch, after
 // every check, so that a refused call advances no generator.
-DropoutState set_dropout(FwdParams& p, at::Tensor const& q, double dropout_p, std::optional<at::Tensor> const& rng_state);
+DropoutState set_dropout(FwdParams& p, at::Tensor const& q, double dropout_p,
+                         std::optional<at::Tensor> const& rng_state);
 
 // The rng_state output of a call that launches nothing (an empty problem): empty without dropout, else the
 // input or (0, 0); no generator is advanced.

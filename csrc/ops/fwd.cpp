@@ -105,7 +105,8 @@ Plan plan_fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, dou
     return plan;
   }
   if (swap_groups(q, k, window_left, alibi_slopes, dropout_p)) {
-    return plan_fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, false, -1, -1, softcap, alibi_slopes, num_splits);
+    return plan_fwd(groups_as_rows(q, k.size(2)), k, v, softmax_scale, false, -1, -1, softcap, alibi_slopes,
+                    num_splits);
   }
   FwdParams p;
   p.h = int(q.size(2)), p.d = int(q.size(3)), p.h_k = int(k.size(2)), p.h_h_k_ratio = p.h / p.h_k;

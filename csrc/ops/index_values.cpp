@@ -68,19 +68,22 @@ bool check_cu_seqlens_pair(ArgChecker& c, at::Tensor const& cu_seqlens_q, at::Te
     cu_ok = cu_ok && ok;
   }
   if (cu_ok) {
-    FLASH_EXT_REQUIRE(c, cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k", "length " + std::to_string(cu_seqlens_k.numel()),
+    FLASH_EXT_REQUIRE(c, cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k",
+              "length " + std::to_string(cu_seqlens_k.numel()),
               "must have the length of cu_seqlens_q (" + std::to_string(cu_seqlens_q.numel()) + ")");
     cu_ok = cu_seqlens_k.numel() == cu_seqlens_q.numel();
   }
   return cu_ok;
 }
 
-void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper, std::string const& what) {
+void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper,
+                       std::string const& what) {
   int64_t bad = -1;
   for (int64_t i = 0; i < n && bad < 0; ++i) {
     if (v[i] < 0 || v[i] >= upper) { bad = i; }
   }
-  FLASH_EXT_REQUIRE(c, bad < 0, name, bad < 0 ? "" : "value " + std::to_string(v[bad]) + " at index " + std::to_string(bad),
+  FLASH_EXT_REQUIRE(c, bad < 0, name,
+            bad < 0 ? "" : "value " + std::to_string(v[bad]) + " at index " + std::to_string(bad),
             "must index " + what + " [0, " + std::to_string(upper) + ")");
 }
 
@@ -93,8 +96,9 @@ void check_cu_seqlens_values(ArgChecker& c, int const* x, int64_t n, char const*
     longest = std::max<int64_t>(longest, int64_t(x[i + 1]) - x[i]);
   }
   FLASH_EXT_REQUIRE(c, first_drop < 0, name,
-            first_drop < 0 ? "" : "a decrease at index " + std::to_string(first_drop) + " (" + std::to_string(x[first_drop - 1]) +
-                                      " then " + std::to_string(x[first_drop]) + ")",
+            first_drop < 0 ? "" : "a decrease at index " + std::to_string(first_drop) + " (" +
+                                      std::to_string(x[first_drop - 1]) + " then " +
+                                      std::to_string(x[first_drop]) + ")",
             "must be non-decreasing");
   bool const total_ok = total_exact ? x[n - 1] == total : (x[n - 1] >= 0 && x[n - 1] <= total);
   FLASH_EXT_REQUIRE(c, total_ok, std::string(name) + "[-1]", std::to_string(x[n - 1]),
@@ -110,14 +114,15 @@ void check_pages(ArgChecker& c, int const* table, int64_t width, int64_t batch, 
   int64_t bad = -1, bad_col = -1;
   for (int64_t i = 0; i < batch && bad < 0; ++i) {
     auto const [begin, end] = rows(i);
-    for (int64_t j = std::max<int64_t>(begin, 0) / page_size; j < std::min(width, (end + page_size - 1) / page_size); ++j) {
+    for (int64_t j = std::max<int64_t>(begin, 0) / page_size;
+         j < std::min(width, (end + page_size - 1) / page_size); ++j) {
       int const page = table[i * width + j];
       if (bad < 0 && (page < 0 || page >= num_pages)) { bad = i, bad_col = j; }
     }
   }
   FLASH_EXT_REQUIRE(c, bad < 0, "block_table",
-            bad < 0 ? "" : "value " + std::to_string(table[bad * width + bad_col]) + " at [" + std::to_string(bad) + ", " +
-                               std::to_string(bad_col) + "]",
+            bad < 0 ? "" : "value " + std::to_string(table[bad * width + bad_col]) + " at [" + std::to_string(bad) +
+                               ", " + std::to_string(bad_col) + "]",
             std::string(which) + " must index " + pages_of + " pages [0, " + std::to_string(num_pages) + ")");
 }
 

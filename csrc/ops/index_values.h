@@ -50,7 +50,8 @@ bool check_cu_seqlens_pair(ArgChecker& c, at::Tensor const& cu_seqlens_q, at::Te
                            at::Device device);
 
 // Every value of `name` (n values at v) lies in [0, upper).
-void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper, std::string const& what);
+void check_index_range(ArgChecker& c, int const* v, int64_t n, char const* name, int64_t upper,
+                       std::string const& what);
 
 // cu_seqlens (n values): starts at 0, never decreases, ends at (total_exact) or within `total` rows, longest
 // sequence <= max_seqlen.

@@ -94,14 +94,16 @@ void append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& k, at::T
   int64_t const b = k.size(0), seqlen_new = k.size(1);
   if (b == 0 || seqlen_new == 0) { return; }
   auto const long_opts = cache_seqlens.options().dtype(at::kLong);
-  at::Tensor const pos = cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(seqlen_new, long_opts).unsqueeze(0);  // (b, seqlen_new)
+  at::Tensor const pos = cache_seqlens.to(at::kLong).unsqueeze(1) +
+                         at::arange(seqlen_new, long_opts).unsqueeze(0);  // (b, seqlen_new)
   if (block_table.has_value()) {
     at::Tensor const page = block_table->to(at::kLong).gather(1, at::div(pos, page_size, "floor"));
     at::Tensor const row = at::remainder(pos, page_size);
     k_cache.index_put_({page, row}, k.detach());
     v_cache.index_put_({page, row}, v.detach());
   } else {
-    at::Tensor const batch = (cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(b, long_opts)).unsqueeze(1);
+    at::Tensor const batch =
+        (cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(b, long_opts)).unsqueeze(1);
     k_cache.index_put_({batch, pos}, k.detach());
     v_cache.index_put_({batch, pos}, v.detach());
   }
@@ -109,10 +111,11 @@ void append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& k, at::T
 
 std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     at::Tensor const& q, at::Tensor& k_cache, at::Tensor& v_cache, std::optional<at::Tensor> const& k,
-    std::optional<at::Tensor> const& v, at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
-    std::optional<at::Tensor> const& cache_leftpad, std::optional<at::Tensor> const& block_table, double softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
-    int64_t num_splits, int64_t rotary_len, int64_t rotary_rows) {
+    std::optional<at::Tensor> const& v, at::Tensor const& cache_seqlens,
+    std::optional<at::Tensor> const& cache_batch_idx, std::optional<at::Tensor> const& cache_leftpad,
+    std::optional<at::Tensor> const& block_table, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits,
+    int64_t rotary_len, int64_t rotary_rows) {
   // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
   // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
@@ -124,7 +127,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
 
   // New keys/values: both or neither, (batch, seqlen_new, heads_k, d) in the cache's dtype and device.
   bool new_ok = k.has_value() == v.has_value();
-  FLASH_EXT_REQUIRE(c, new_ok, "k/v", k.has_value() ? "k without v" : "v without k", "must be given together (or neither)");
+  FLASH_EXT_REQUIRE(c, new_ok, "k/v", k.has_value() ? "k without v" : "v without k",
+            "must be given together (or neither)");
   int64_t seqlen_new = 0;
   if (new_ok && k.has_value()) {
     bool const shape_ok = shapes_ok && k->dim() == 4 && v->sizes() == k->sizes() && k->size(0) == b &&
@@ -133,11 +137,12 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
               shapes_ok ? "must both be (batch=" + std::to_string(b) + ", seqlen_new, heads_k=" +
                               std::to_string(k_cache.size(2)) + ", d=" + std::to_string(k_cache.size(3)) + ")"
                         : "must both be (batch, seqlen_new, heads_k, d) like the cache");
-    FLASH_EXT_REQUIRE(c, k->scalar_type() == k_cache.scalar_type() && v->scalar_type() == k_cache.scalar_type(), "k/v.dtype",
-              str(k->scalar_type()) + "/" + str(v->scalar_type()), "must equal the cache's dtype (" +
-                  str(k_cache.scalar_type()) + ")");
+    FLASH_EXT_REQUIRE(c, k->scalar_type() == k_cache.scalar_type() && v->scalar_type() == k_cache.scalar_type(),
+              "k/v.dtype", str(k->scalar_type()) + "/" + str(v->scalar_type()),
+              "must equal the cache's dtype (" + str(k_cache.scalar_type()) + ")");
     FLASH_EXT_REQUIRE(c, k->device() == k_cache.device() && v->device() == k_cache.device(), "k/v.device",
-              str(k->device()) + "/" + str(v->device()), "must equal the cache's device (" + str(k_cache.device()) + ")");
+              str(k->device()) + "/" + str(v->device()),
+              "must equal the cache's device (" + str(k_cache.device()) + ")");
     new_ok = shape_ok;
     seqlen_new = shape_ok ? k->size(1) : 0;
     // Appending writes the caches: a cache whose entries share memory (an expand()ed tensor) or the same
@@ -166,8 +171,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     page_size = paged ? k_cache.size(1) : 0;
     capacity = paged ? (block_table->dim() == 2 ? block_table->size(1) * page_size : 0) : k_cache.size(1);
     if (paged) {
-      FLASH_EXT_REQUIRE(c, page_size % 128 == 0 && page_size > 0, "k_cache.shape[1] (page size)", std::to_string(page_size),
-                "must be a positive multiple of 128 with block_table");
+      FLASH_EXT_REQUIRE(c, page_size % 128 == 0 && page_size > 0, "k_cache.shape[1] (page size)",
+                std::to_string(page_size), "must be a positive multiple of 128 with block_table");
       FLASH_EXT_REQUIRE(c, !cache_leftpad.has_value(), "cache_leftpad", "given with block_table",
                 "left padding and paged KV cannot be combined");
       FLASH_EXT_REQUIRE(c, !cache_batch_idx.has_value(), "cache_batch_idx", "given with block_table",
@@ -217,7 +222,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
         std::vector<int> sorted(entry, entry + b);
         std::sort(sorted.begin(), sorted.end());
         auto const dup = std::adjacent_find(sorted.begin(), sorted.end());
-        FLASH_EXT_REQUIRE(c, dup == sorted.end(), "cache_batch_idx", dup == sorted.end() ? "" : "value " + std::to_string(*dup) + " repeated",
+        FLASH_EXT_REQUIRE(c, dup == sorted.end(), "cache_batch_idx",
+                  dup == sorted.end() ? "" : "value " + std::to_string(*dup) + " repeated",
                   "must be distinct when new k/v are appended (each entry writes its own cache rows)");
       }
     }

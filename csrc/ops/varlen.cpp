@@ -76,7 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       for (int64_t i = 0; i < b && too_long < 0; ++i) {
         if (keys(i) > capacity) { too_long = i; }
       }
-      FLASH_EXT_REQUIRE(c, too_long < 0, "cu_seqlens_k", "sequence " + std::to_string(too_long) + " longer than its pages",
+      FLASH_EXT_REQUIRE(c, too_long < 0, "cu_seqlens_k",
+                "sequence " + std::to_string(too_long) + " longer than its pages",
                 "each sequence must fit block_table.shape[1] x page size = " + std::to_string(capacity) + " keys");
       check_pages(c, idx.values(s_table), block_table->size(1), b, page_size, k.size(0), "pages in use", "k's",
                   [&](int64_t i) { return std::pair<int64_t, int64_t>{0, std::max<int64_t>(keys(i), 0)}; });
@@ -89,7 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       }
       FLASH_EXT_REQUIRE(c, bad < 0, "seqused_k",
                 bad < 0 ? "" : "value " + std::to_string(used[bad]) + " at index " + std::to_string(bad),
-                "must be within [0, that sequence's key count" + (bad < 0 ? "" : " " + std::to_string(keys(bad))) + "]");
+                "must be within [0, that sequence's key count" +
+                    (bad < 0 ? "" : " " + std::to_string(keys(bad))) + "]");
     }
   }
   c.raise_if_any();
