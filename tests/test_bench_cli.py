@@ -35,3 +35,21 @@ def test_mode_runs(mode: str, extra: list) -> None:
 def test_bad_dropout_p_is_an_argparse_error() -> None:
     r = _bench("dropout", "--dropout-p", "1.0", *TINY)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--dropout-p: got 1.0; must be in [0, 1)" in r.stderr, r.stderr
+
+
+def test_repeats_for_fills_the_time_unless_given() -> None:
+    """Decode's timed calls: the user's --repeats as given; else as many calls as fill the time (one call timed
+    to estimate), never fewer than the default nor more than the cap."""
+    import time
+
+    import torch
+
+    from flash_ext.bench.common import repeats_for
+
+    cpu = torch.device("cpu")
+    nap = lambda: time.sleep(0.002)  # noqa: E731
+    assert repeats_for(nap, cpu, 3, 5, 10.0) == 3
+    assert repeats_for(nap, cpu, None, 5, 0.0) == 5
+    assert repeats_for(nap, cpu, None, 5, 10.0, cap=40) == 40
+    # 0.05 s of 2 ms naps: at most 25 calls (a nap lasts at least 2 ms), at least the default
+    assert 5 <= repeats_for(nap, cpu, None, 5, 0.05) <= 25

@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "%d MiB in all, so each step reads its cache from memory, not from a warm cache; "
                         "1: the same cache every step)" % 512)
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default: CUDA 30, CPU 5)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed calls, median reported (default: CUDA 30, CPU 5; decode: as many as fill 0.25 s "
+                        "per side, at least those)")
     p.add_argument("--quick", action="store_true",
                    help="fwd/bwd/fwd+bwd: only the headline case (b=1, h=8, s=2048, d=64, non-causal); dropout: "
                         "d=64, one seqlen")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -165,10 +166,25 @@ def matmul_peak_tflops(device: torch.device, dtypes: Sequence[torch.dtype], warm
     return out
 
 
-def read_bandwidth_gbs(device: torch.device, nbytes: int, warmup: int, repeats: int) -> float:
+def repeats_for(fn: Callable[[], Any], device: torch.device, requested: Optional[int], default: int,
+                min_seconds: float, cap: int = 5000) -> int:
+    """Timed calls for ``fn``: ``requested`` when the user gave one; else enough calls to fill ``min_seconds``
+    (estimated from one call, timed after the caller's warm-up), at least ``default`` and at most ``cap``.
+    A short call (a decode step: tens to hundreds of microseconds) timed only ``default`` times is a median of
+    a few milliseconds, which one of a VM's slow moments decides."""
+    if requested is not None:
+        return requested
+    one = min(time_fn(fn, device, 0, 2))
+    return int(min(cap, max(default, math.ceil(min_seconds / max(one, 1e-7)))))
+
+
+def read_bandwidth_gbs(device: torch.device, nbytes: int, warmup: int, repeats: int,
+                       src: Optional[torch.Tensor] = None) -> float:
     """Memory read bandwidth measured in this run: bytes of a large tensor read by ``tensor.sum()`` per
-    second (the write is one scalar).  A memory-bound decode step reads K and V once; this is its ceiling."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    second (the write is one scalar).  A memory-bound decode step reads K and V once; this is its ceiling.
+    ``src``: the float32 tensor to read (reused across measurements), else a new one of ``nbytes``."""
+    if src is None:
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     times = time_fn(lambda: src.sum(), device, warmup, repeats)
     return src.numel() * src.element_size() / statistics.median(times) / 1e9
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import flash_ext
 from .common import (
-    DTYPES, check_against_sdpa_math, fmt, format_table, free_device_memory, read_bandwidth_gbs, time_fn,
+    DTYPES, check_against_sdpa_math, fmt, format_table, free_device_memory, read_bandwidth_gbs, repeats_for,
+    time_fn,
 )
 
 
@@ -23,6 +24,11 @@ ROTATE_BYTES = 512 << 20
 
 #: At most this many caches per row (a short cache of a big model would otherwise need thousands).
 MAX_LAYERS = 256
+
+#: Without ``--repeats``, each side of a row is timed for at least this long (repeats_for): a CPU step of a 4k
+#: cache takes ~0.3 ms, so the default 5 calls were a 1.5 ms sample of a VM whose speed moves by 30% from one
+#: moment to the next (docs/perf.md).
+MIN_TIMED_SECONDS = 0.25
 
 
 def kv_layers(requested: int, kv_bytes: int) -> int:
@@ -40,6 +46,8 @@ class DecodeRow:
     kv_bytes: int
     layers: int = 1
     num_splits: int = 1
+    steps: Tuple[int, int] = (0, 0)  # timed calls of flash_ext and of SDPA
+    read_gbs: Optional[float] = None  # the read bandwidth measured just before and after flash_ext's steps
     flash_s: Optional[float] = None
     sdpa_s: Optional[float] = None
     check: str = "-"
@@ -78,7 +86,9 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     repeats = args.repeats if args.repeats is not None else (30 if cuda else 5)
     copy_gbs = copy_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
-    read_gbs = read_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
+    read_bytes = (1 << 31) if cuda else (1 << 28)
+    read_src = torch.empty(read_bytes // 4, dtype=torch.float32, device=device).normal_()
+    read_gbs = read_bandwidth_gbs(device, read_bytes, warmup, repeats, read_src)
     rows: List[DecodeRow] = []
     for sk in seqlens:
         kv_bytes = 2 * b * sk * hk * d * torch.tensor([], dtype=dtype).element_size()
@@ -112,15 +122,25 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
         out = flash_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=sk)
         ok, err, _ = check_against_sdpa_math(q, k_cache, v_cache, out, causal=False)
         row.check, row.max_err = ("PASS" if ok else "FAIL"), err
+        flash_steps = sdpa_steps = 0
         if ok:
-            row.flash_s = statistics.median(time_fn(flash, device, warmup, repeats))
+            time_fn(flash, device, warmup, 0)
+            flash_steps = repeats_for(flash, device, args.repeats, repeats, MIN_TIMED_SECONDS)
+            # The ceiling measured around the steps, not once per run: this VM's memory moved between 29 and
+            # 42 GB/s from one run to the next (docs/perf.md), and a share is only meaningful against its own.
+            before = read_bandwidth_gbs(device, read_bytes, 1, repeats, read_src)
+            row.flash_s = statistics.median(time_fn(flash, device, 0, flash_steps))
+            row.read_gbs = (before + read_bandwidth_gbs(device, read_bytes, 1, repeats, read_src)) / 2
         try:
-            row.sdpa_s = statistics.median(time_fn(sdpa, device, warmup, repeats))
+            time_fn(sdpa, device, warmup, 0)
+            sdpa_steps = repeats_for(sdpa, device, args.repeats, repeats, MIN_TIMED_SECONDS)
+            row.sdpa_s = statistics.median(time_fn(sdpa, device, 0, sdpa_steps))
         except RuntimeError:
             row.sdpa_s = None
+        row.steps = (flash_steps, sdpa_steps)
         rows.append(row)
         print(f"  decode b={b} h={h} hk={hk} d={d} sk={sk}: {row.layers} cache(s), splits {row.num_splits}, "
-              f"check {row.check}, "
+              f"check {row.check}, steps {row.steps[0]}/{row.steps[1]}, "
               f"flash_ext {fmt(row.flash_gbs)} GB/s, sdpa {fmt(row.sdpa_gbs)} GB/s", flush=True)
         del q, k_cache, v_cache, caches
         free_device_memory(device)
@@ -128,13 +148,16 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
                "read GB/s", "copy GB/s", "flash/read", "flash/sdpa", "check"]
     table_rows = [[str(b), str(h), str(hk), str(d), str(r.seqlen_k), str(r.layers), str(r.num_splits), fmt(r.flash_gbs),
                    fmt(r.kv_bytes / r.model_s / 1e9 if r.model_s else None), r.model_bound or "-",
-                   fmt(r.sdpa_gbs), fmt(read_gbs), fmt(copy_gbs), fmt(r.flash_gbs / read_gbs if r.flash_gbs else None),
+                   fmt(r.sdpa_gbs), fmt(r.read_gbs or read_gbs), fmt(copy_gbs),
+                   fmt(r.flash_gbs / (r.read_gbs or read_gbs) if r.flash_gbs else None),
                    fmt(r.flash_gbs / r.sdpa_gbs if r.flash_gbs and r.sdpa_gbs else None), r.check] for r in rows]
     return {"_table": format_table(headers, table_rows), "_rows": rows, "copy_gbs": copy_gbs, "read_gbs": read_gbs,
-            "rows": [dict(seqlen_k=r.seqlen_k, layers=r.layers, num_splits=r.num_splits, flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs,
+            "rows": [dict(seqlen_k=r.seqlen_k, layers=r.layers, num_splits=r.num_splits, steps=list(r.steps),
+                          flash_gbs=r.flash_gbs, sdpa_gbs=r.sdpa_gbs, read_gbs=r.read_gbs,
                           check=r.check, max_err=r.max_err, model_s=r.model_s, model_bound=r.model_bound)
                      for r in rows],
-            "method": "GB/s = bytes of K and V read / median step time; each step reads the next of `layers` "
-                      "caches (by default enough for %d MiB, so that a step reads from memory as one layer of a "
-                      "model does); read GB/s: a large tensor.sum() in this run (the ceiling of a memory-bound "
-                      "step); copy GB/s counts read + write" % (ROTATE_BYTES >> 20)}
+            "method": ("GB/s = bytes of K and V read / median step time (without --repeats: of as many steps as "
+                       "fill %.2f s per side, at least the default count); each step reads the next of `layers` "
+                       "caches (by default enough for %d MiB, so that a step reads from memory as one layer of a "
+                       "model does); read GB/s: a large tensor.sum() (the ceiling of a memory-bound step), the mean of "
+                       "its medians just before and just after flash_ext's steps of the row; copy GB/s counts read + write" % (MIN_TIMED_SECONDS, ROTATE_BYTES >> 20))}
