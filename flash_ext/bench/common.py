@@ -169,7 +169,8 @@ def matmul_peak_tflops(device: torch.device, dtypes: Sequence[torch.dtype], warm
 def repeats_for(fn: Callable[[], Any], device: torch.device, requested: Optional[int], default: int,
                 min_seconds: float, cap: int = 5000) -> int:
     """Timed calls for ``fn``: ``requested`` when the user gave one; else enough calls to fill ``min_seconds``
-    (estimated from one call, timed after the caller's warm-up), at least ``default`` and at most ``cap``.
+    (estimated from the faster of two calls, timed after the caller's warm-up), at least ``default`` and at
+    most ``cap``.
     A short call (a decode step: tens to hundreds of microseconds) timed only ``default`` times is a median of
     a few milliseconds, which one of a VM's slow moments decides."""
     if requested is not None:
