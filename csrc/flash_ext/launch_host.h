@@ -72,7 +72,9 @@ constexpr int host_head_dim_for(int d) {
 // run the heads of one (batch, split) back to back on one thread, and the first of them reads the split's
 // rows of all those heads once, front to back, one load per cache line (warm_decode_split); the bodies then
 // read their whole K/V tiles there, in place rather than staged (HostTraits::read_in_place).  The splits are
-// sized so that those rows fit in half of L2 (host_decode_splits).
+// sized so that those rows fit in half of L2 (host_decode_splits).  The warming pass computes nothing while it
+// waits; prefetching the next split's lines from inside this split's GEMM loops instead was measured no faster
+// (Zen 4: the prefetches cost the step what the pass did; docs/perf.md, "a Zen 4 again").
 
 // Bytes of one key over K/V heads [kv_first, kv_last] of K and V together, as the warming reads them (from
 // the first head's first element to the last head's d-th, per tensor); 0 when those heads do not lie side by
