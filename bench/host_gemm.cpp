@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include <cutlass/numeric_types.h>
@@ -76,6 +77,21 @@ double fma_peak_for(HostKernels const& k) {
 #endif
   return 0.0;  // the generic level: no FMA to measure against (baseline x86-64 has none; other CPUs vary)
 }
+
+// Tiles on 64-byte lines, as the body's accumulators and Q fragment are (gemm.h: UninitializedArrayEngine): a
+// std::vector's 16-byte alignment split every 64-byte column of a 16-row S across two lines, a cost the body
+// does not pay (the 1-row decode tile's P.V timed 1.3-1.6x, its Q.K^T 1.1-1.2x the aligned time; docs/perf.md).
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(LineAllocator<U> const&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  friend bool operator==(LineAllocator, LineAllocator) { return true; }
+};
+using Tile = std::vector<float, LineAllocator<float>>;
 
 // An operand in one element type, with its fp32 values for the reference.
 struct Operand {
@@ -144,7 +160,7 @@ int main(int argc, char** argv) {
         Operand const& kk = ks[0];
         // S, O and the Q fragment with the body's padded column stride (gemm.h: make_acc_fragment, make_a_fragment).
         int const ld = flash_ext::host_acc_column_stride(M);
-        std::vector<float> s(size_t(ld) * N), o(size_t(ld) * d, 0.f), qf(size_t(ld) * d);
+        Tile s(size_t(ld) * N), o(size_t(ld) * d, 0.f), qf(size_t(ld) * d);
         for (int c = 0; c < d; ++c) {
           for (int m = 0; m < M; ++m) { qf[m + size_t(c) * ld] = q.full[m + size_t(c) * M]; }
         }
@@ -190,9 +206,9 @@ int main(int argc, char** argv) {
       int const M = 16, N = 128, d = 128;
       Operand const q = random_operand(size_t(M) * d, t), kk = random_operand(size_t(N) * d, t),
                     vv = random_operand(size_t(N) * d, t);
-      std::vector<float> s(size_t(M) * N), o(size_t(M) * d, 0.f);
+      Tile s(size_t(M) * N), o(size_t(M) * d, 0.f), qf(q.full.begin(), q.full.end());
       for (int live : {1, 4, 8}) {
-        HostGemmArgs const qk{s.data(), M, q.full.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, live, N, d, true};
+        HostGemmArgs const qk{s.data(), M, qf.data(), HostDType::kF32, 1, M, kk.data(t), t, d, 1, live, N, d, true};
         HostGemmArgs const pv{o.data(), M, s.data(), HostDType::kF32, 1, M, vv.data(t), t, 1, d, live, d, N, false};
         k.gemm(qk);
         for (float& x : s) { x *= 0.01f; }
@@ -226,7 +242,7 @@ int main(int argc, char** argv) {
     // changes, so O is not rescaled): the other per-element work of a call, next to the GEMMs above.
     {
       int const M = 128, N = 128, ld = flash_ext::host_acc_column_stride(M);  // S and O as the body holds them
-      std::vector<float> scores(size_t(ld) * N), work(size_t(ld) * N), o(size_t(ld) * 128, 1.f), mx(M), sum(M);
+      Tile scores(size_t(ld) * N), work(size_t(ld) * N), o(size_t(ld) * 128, 1.f), mx(M), sum(M);
       for (float& x : scores) { x = 3.f * (float(std::rand()) / float(RAND_MAX) - 0.5f); }
       flash_ext::HostSoftmaxArgs const a{work.data(), ld, N, o.data(), ld, 128, mx.data(), sum.data(), M, 1.4427f,
                                          false};
@@ -240,7 +256,7 @@ int main(int argc, char** argv) {
         }, iters);
       };
       double const secs = time_step(a);
-      std::vector<float> copy_only(work.size());
+      Tile copy_only(work.size());
       double const copy_secs = best_seconds([&] {
         std::memcpy(copy_only.data(), scores.data(), sizeof(float) * scores.size());
       }, iters);

@@ -23,6 +23,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("mode, extra", [
     ("fwd", ["--no-naive", "--backends", "math"]),
     ("decode", []),
+    ("decode", ["--kv-heads", "2"]),  # multi-head attention: one query row per K/V head
     ("dropout", ["--dtype", "fp32"]),
     # the ring's rows have no correctness column: reading one ended every run in an AttributeError
     ("ring", ["--dtype", "fp32", "--world", "2"]),
@@ -35,6 +36,13 @@ def test_mode_runs(mode: str, extra: list) -> None:
 def test_bad_dropout_p_is_an_argparse_error() -> None:
     r = _bench("dropout", "--dropout-p", "1.0", *TINY)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--dropout-p: got 1.0; must be in [0, 1)" in r.stderr, r.stderr
+
+
+def test_bad_kv_heads_is_an_error_naming_the_rule() -> None:
+    r = _bench("decode", *TINY, "--kv-heads", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--kv-heads: got 0; must be >= 1" in r.stderr, r.stderr
+    r = _bench("decode", *TINY, "--kv-heads", "3")  # TINY has 2 query heads
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--kv-heads: got 3; must divide the 2 query heads" in r.stderr, r.stderr
 
 
 def test_repeats_for_fills_the_time_unless_given() -> None:

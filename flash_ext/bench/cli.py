@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: K/V caches the steps cycle through, as a model's layers do (0: enough for "
                         "%d MiB in all, so each step reads its cache from memory, not from a warm cache; "
                         "1: the same cache every step)" % 512)
+    p.add_argument("--kv-heads", type=_positive_int, default=None,
+                   help="decode: K/V heads, dividing the query heads (default: nheads // 4, a GQA group of 4 "
+                        "query rows per K/V head; nheads for multi-head attention, one row each)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed calls, median reported (default: CUDA 30, CPU 5; decode: as many as fill 0.25 s "
@@ -77,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", default=None, help="write all results and metadata as JSON")
     p.add_argument("--plot", metavar="PATH.png", default=None, help="plot the results (needs matplotlib)")
     return p
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of a count: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; must be an integer >= 1") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"got {n}; must be >= 1")
+    return n
 
 
 def _dropout_p(text: str) -> float:

@@ -179,14 +179,11 @@ def repeats_for(fn: Callable[[], Any], device: torch.device, requested: Optional
     return int(min(cap, max(default, math.ceil(min_seconds / max(one, 1e-7)))))
 
 
-def read_bandwidth_gbs(device: torch.device, nbytes: int, warmup: int, repeats: int,
-                       src: Optional[torch.Tensor] = None) -> float:
-    """Memory read bandwidth measured in this run: bytes of a large tensor read by ``tensor.sum()`` per
-    second (the write is one scalar).  A memory-bound decode step reads K and V once; this is its ceiling.
-    ``src``: the float32 tensor to read (reused across measurements), else a new one of ``nbytes``."""
-    if src is None:
-        src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
-    times = time_fn(lambda: src.sum(), device, warmup, repeats)
+def read_bandwidth_gbs(src: torch.Tensor, warmup: int, repeats: int) -> float:
+    """Memory read bandwidth measured in this run: bytes of ``src`` (a large tensor, kept by the caller so
+    that each measurement reads the same memory) read by ``src.sum()`` per second (the write is one scalar).
+    A memory-bound decode step reads K and V once; this is its ceiling."""
+    times = time_fn(lambda: src.sum(), src.device, warmup, repeats)
     return src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -79,7 +80,10 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     cuda = device.type == "cuda"
     b = args.batch or (8 if cuda else 1)
     h = args.nheads or (32 if cuda else 8)
-    hk = max(1, h // 4)
+    hk = args.kv_heads or max(1, h // 4)
+    if h % hk:
+        print(f"error: --kv-heads: got {hk}; must divide the {h} query heads (--nheads)", file=sys.stderr)
+        raise SystemExit(2)
     d = (args.headdims or [128])[0]
     seqlens = args.seqlens or ([4096, 8192, 16384, 32768, 65536, 131072] if cuda else [4096, 16384])
     dtype = DTYPES[args.dtype]
@@ -88,7 +92,7 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     copy_gbs = copy_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
     read_bytes = (1 << 31) if cuda else (1 << 28)
     read_src = torch.empty(read_bytes // 4, dtype=torch.float32, device=device).normal_()
-    read_gbs = read_bandwidth_gbs(device, read_bytes, warmup, repeats, read_src)
+    read_gbs = read_bandwidth_gbs(read_src, warmup, repeats)
     rows: List[DecodeRow] = []
     for sk in seqlens:
         kv_bytes = 2 * b * sk * hk * d * torch.tensor([], dtype=dtype).element_size()
@@ -128,9 +132,9 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
             flash_steps = repeats_for(flash, device, args.repeats, repeats, MIN_TIMED_SECONDS)
             # The ceiling measured around the steps, not once per run: this VM's memory moved between 29 and
             # 42 GB/s from one run to the next (docs/perf.md), and a share is only meaningful against its own.
-            before = read_bandwidth_gbs(device, read_bytes, 1, repeats, read_src)
+            before = read_bandwidth_gbs(read_src, 1, repeats)
             row.flash_s = statistics.median(time_fn(flash, device, 0, flash_steps))
-            row.read_gbs = (before + read_bandwidth_gbs(device, read_bytes, 1, repeats, read_src)) / 2
+            row.read_gbs = (before + read_bandwidth_gbs(read_src, 1, repeats)) / 2
         try:
             time_fn(sdpa, device, warmup, 0)
             sdpa_steps = repeats_for(sdpa, device, args.repeats, repeats, MIN_TIMED_SECONDS)

@@ -59,6 +59,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "flash_ext/host_isa.h"
 #include "flash_ext/philox.h"
@@ -1266,49 +1267,73 @@ FLASH_EXT_INLINE void zero_accumulators(vf (&acc)[R][NK]) {
   }
 }
 
+// Lane l of the result: lane I_l of a's lanes followed by b's (0 .. 2 kLanes), the indices constants.  GCC
+// before 12 has no __builtin_shufflevector; its __builtin_shuffle folds a constant index vector the same way.
+template <int... I>
+FLASH_EXT_INLINE vf vpermute2(vf a, vf b) {
+  static_assert(sizeof...(I) == kLanes);
+#if defined(__clang__) || __GNUC__ >= 12
+  return __builtin_shufflevector(a, b, I...);
+#else
+  return __builtin_shuffle(a, b, vu{uint32_t(I)...});
+#endif
+}
+
+// Key J's column of S from the vectors of lane sums (slots J * R .. + R, key-major) as one vector: its R sums,
+// then zeros to the vector boundary.  Constant permutations: one where the key's sums lie in one vector, two
+// where they straddle two.  (Compile-time packs through functions, not lambdas: GCC left lambdas uninlined.)
+template <int R, int J, int kVectors, int... L>
+FLASH_EXT_INLINE vf key_column(vf const (&sums)[kVectors], std::integer_sequence<int, L...>) {
+  constexpr int kVector = J * R / kLanes, kOffset = J * R % kLanes;
+  if constexpr (kOffset + R <= kLanes) {
+    return vpermute2<(L < R ? kOffset + L : kLanes + L)...>(sums[kVector], vf{});
+  } else {
+    vf const both = vpermute2<(L < R ? kOffset + L : L)...>(sums[kVector], sums[kVector + 1]);
+    return vpermute2<(L < R ? L : kLanes + L)...>(both, vf{});
+  }
+}
+
+template <int R, int kVectors, int... J>
+FLASH_EXT_INLINE void store_key_columns(float* c, int64_t ldc, vf const (&sums)[kVectors],
+                                        std::integer_sequence<int, J...>) {
+  (vstore(c + J * ldc, key_column<R, J>(sums, std::make_integer_sequence<int, kLanes>{})), ...);
+}
+
 // C(m, n0 + j) += the lane sums of acc[m][j] for m < R, j < NK (store: C(m, n0 + j) = them): kLanes of them per
 // vsum_each, key-major (slot j * R + m), so that each key's R rows come out as one run of C's column.  Storing
 // is adding to a zeroed C bit for bit (a lane sum is never -0: its accumulator starts at +0), without the
-// zeroing pass over C and the read of it back.
+// zeroing pass over C and the read of it back.  It writes each key's column as one vector, rows R to the vector
+// boundary zero as that pass left them (dead query rows of S stay 0): with the zeros written apart (a memcpy per
+// key), a 1-row decode tile's Q.K^T took 2.0-2.4x the time (bench_host_gemm, Zen 4, each level; docs/perf.md).
 template <int R, int NK>
 FLASH_EXT_INLINE void add_lane_sums(float* c, int64_t ldc, vf const (&acc)[R][NK], bool store = false) {
+  static_assert(R < kLanes);
   constexpr int kSlots = R * NK;
-  constexpr int kPadded = (R + kLanes - 1) / kLanes * kLanes;
-  if constexpr (kPadded > R) {  // rows R .. the vector boundary: zero, as the zeroing pass that storing replaces left them
-    if (store) {
-#pragma GCC unroll 16
-      for (int j = 0; j < NK; ++j) {
-        float const zeros[kPadded - R] = {};
-        __builtin_memcpy(c + j * ldc + R, zeros, sizeof(zeros));
-      }
-    }
-  }
+  constexpr int kVectors = (kSlots + kLanes - 1) / kLanes;
+  vf sums[kVectors];
 #pragma GCC unroll 4
-  for (int s0 = 0; s0 < kSlots; s0 += kLanes) {
+  for (int v = 0; v < kVectors; ++v) {
     vf slots[kLanes];
 #pragma GCC unroll 16
-    for (int i = 0; i < kLanes; ++i) { slots[i] = s0 + i < kSlots ? acc[(s0 + i) % R][(s0 + i) / R] : vf{}; }
-    alignas(64) float sums[kLanes];
-    vstore(sums, vsum_each(slots));
-    if constexpr (kLanes % R == 0) {  // whole keys per vector: a run of R floats at a time (a vector add where R is 4 or 8)
+    for (int i = 0; i < kLanes; ++i) {
+      int const slot = v * kLanes + i;
+      slots[i] = slot < kSlots ? acc[slot % R][slot / R] : vf{};
+    }
+    sums[v] = vsum_each(slots);
+  }
+  if (store) {
+    store_key_columns<R>(c, ldc, sums, std::make_integer_sequence<int, NK>{});
+  } else {  // a run of R floats per key (a vector add where R is 4 or 8)
+    alignas(64) float lanes[kVectors * kLanes];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) { vstore(lanes + v * kLanes, sums[v]); }
 #pragma GCC unroll 16
-      for (int j = s0 / R; j < (s0 + kLanes) / R && j < NK; ++j) {
-        float run[R];
-        if (store) {
-          __builtin_memcpy(run, sums + j * R - s0, sizeof(run));
-        } else {
-          __builtin_memcpy(run, c + j * ldc, sizeof(run));
+    for (int j = 0; j < NK; ++j) {
+      float run[R];
+      __builtin_memcpy(run, c + j * ldc, sizeof(run));
 #pragma GCC unroll 8
-          for (int m = 0; m < R; ++m) { run[m] += sums[j * R + m - s0]; }
-        }
-        __builtin_memcpy(c + j * ldc, run, sizeof(run));
-      }
-    } else {
-#pragma GCC unroll 16
-      for (int i = 0; i < kLanes && s0 + i < kSlots; ++i) {
-        float& ci = c[(s0 + i) / R * ldc + (s0 + i) % R];
-        ci = store ? sums[i] : ci + sums[i];
-      }
+      for (int m = 0; m < R; ++m) { run[m] += lanes[j * R + m]; }
+      __builtin_memcpy(c + j * ldc, run, sizeof(run));
     }
   }
 }
@@ -1619,9 +1644,10 @@ void pack_small_pairs(HostGemmArgs const& g, int k0, int depth, int pairs, uint3
   }
 }
 
-// Q.K^T-shaped: C(m, n0 + j) += A(m, k0 + .) . B(n0 + j, k0 + .) for m < R, j < NK over depth, A's pairs in
-// ap (pairs per row, a multiple of kLanes, zero past depth).  A tail of depth short of a whole vector is
-// read through a zeroed copy: B's row may end there.
+// Q.K^T-shaped: C(m, n0 + j) += A(m, k0 + .) . B(n0 + j, k0 + .) for m < R, j < NK over depth (= when
+// g.overwrite: the first depth chunk of an overwriting product), A's pairs in ap (pairs per row, a multiple
+// of kLanes, zero past depth).  A tail of depth short of a whole vector is read through a zeroed copy: B's
+// row may end there.
 template <int R, int NK>
 FLASH_EXT_INLINE void small_bf16_dots_block(HostGemmArgs const& g, uint32_t const* ap, int pairs, int n0, int k0,
                                             int depth) {
@@ -1657,7 +1683,7 @@ FLASH_EXT_INLINE void small_bf16_dots_block(HostGemmArgs const& g, uint32_t cons
       return v;
     });
   }
-  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc);
+  add_lane_sums<R, NK>(g.c + int64_t(n0) * g.ldc, g.ldc, acc, g.overwrite);
 }
 
 // P.V-shaped: C(m, n0 + c) += A(m, k0 + .) . B(k0 + ., n0 + c) for m < R, c < CV * kLanes, B(n, k) =
@@ -1719,11 +1745,14 @@ constexpr int small_pair_col_vectors() {  // accumulators R x CV, plus CV B vect
 // Rows up to which Q.K^T takes the dot products (gemm_bf16_few_rows says why).
 constexpr int kSmallDotRows = kSmallRows < 6 ? kSmallRows : 6;
 
+// An overwriting product arrives here only Q.K^T-shaped (gemm_bf16_few_rows clears C for P.V): its first
+// depth chunk stores its sums, the later ones add theirs.
 template <int R>
-void small_bf16_gemm(HostGemmArgs const& g, bool cols_contiguous) {
+void small_bf16_gemm(HostGemmArgs const& in, bool cols_contiguous) {
   alignas(64) uint32_t ap[R * kSmallDepth / 2];
-  int const n_vec = g.cols / kLanes * kLanes;
-  for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth) {
+  int const n_vec = in.cols / kLanes * kLanes;
+  HostGemmArgs g = in;
+  for (int k0 = 0; k0 < g.depth; k0 += kSmallDepth, g.overwrite = false) {
     int const depth = g.depth - k0 < kSmallDepth ? g.depth - k0 : kSmallDepth;
     int const pairs = ((depth + 1) / 2 + kLanes - 1) / kLanes * kLanes;
     pack_small_pairs<R>(g, k0, depth, pairs, ap);
@@ -1766,7 +1795,7 @@ bool gemm_bf16_few_rows(HostGemmArgs const& g) {
   if (g.rows > kSmallRows || g.a_type != HostDType::kF32 || g.b_type != HostDType::kBF16) { return false; }
   bool const cols_contiguous = g.b_ns == 1 && g.cols >= kLanes;
   if (!cols_contiguous && (g.b_ks != 1 || g.rows > kSmallDotRows)) { return false; }
-  small_bf16_gemm_rows<1>(accumulating(g), cols_contiguous);
+  small_bf16_gemm_rows<1>(cols_contiguous ? accumulating(g) : g, cols_contiguous);
   return true;
 }
 #endif  // FLASH_EXT_ISA_BF16_DOT && !FLASH_EXT_ISA_HAS_TILES
