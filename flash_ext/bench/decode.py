@@ -89,9 +89,9 @@ def run_decode(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]
     dtype = DTYPES[args.dtype]
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     repeats = args.repeats if args.repeats is not None else (30 if cuda else 5)
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 31) if cuda else (1 << 28), warmup, repeats)
-    read_bytes = (1 << 31) if cuda else (1 << 28)
-    read_src = torch.empty(read_bytes // 4, dtype=torch.float32, device=device).normal_()
+    ceiling_bytes = (1 << 31) if cuda else (1 << 28)  # far past the last-level cache: read from memory
+    copy_gbs = copy_bandwidth_gbs(device, ceiling_bytes, warmup, repeats)
+    read_src = torch.empty(ceiling_bytes // 4, dtype=torch.float32, device=device).normal_()
     read_gbs = read_bandwidth_gbs(read_src, warmup, repeats)
     rows: List[DecodeRow] = []
     for sk in seqlens:
