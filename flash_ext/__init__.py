@@ -10,6 +10,7 @@ import torch
 from . import _C, _ops  # noqa: F401
 from .backward import flash_attn_backward, flash_attn_varlen_backward
 from .emulate import emulate, emulator_report
+from .errors import ArgumentError
 from .explain import Explanation, explain
 from .kvcache import flash_attn_with_kvcache
 from .interface import (
@@ -27,7 +28,7 @@ __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info",
     "compiled_kernels", "explain", "Explanation", "emulate", "emulator_report", "flash_attn_backward",
-    "flash_attn_varlen_backward",
+    "flash_attn_varlen_backward", "ArgumentError",
 ]
 
 

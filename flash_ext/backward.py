@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers the ops' fake kernels)
+from .errors import raises_argument_error
 from .interface import _window_size_error, maybe_contiguous
 
 __all__ = ["flash_attn_backward", "flash_attn_varlen_backward"]
@@ -89,6 +90,7 @@ def _results(written: Grads, given, head_dim: int, padded: int) -> Grads:
     return tuple(results)
 
 
+@raises_argument_error
 def flash_attn_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -130,6 +132,7 @@ def flash_attn_backward(
     return _results(written, given, head_dim, padded)
 
 
+@raises_argument_error
 def flash_attn_varlen_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .errors import ArgumentError
+
 __all__ = [
     "IndexFirstAxis", "IndexPutFirstAxis", "IndexFirstAxisResidual", "index_first_axis", "index_put_first_axis",
     "index_first_axis_residual", "unpad_input", "unpad_input_for_concatenated_sequences", "pad_input",
@@ -43,7 +45,7 @@ def _check_indices(indices: torch.Tensor) -> list:
 
 def _raise(fn: str, errors: list) -> None:
     if errors:
-        raise ValueError(f"flash_ext.bert_padding.{fn}: " + "; ".join(errors))
+        raise ArgumentError(f"flash_ext.bert_padding.{fn}: " + "; ".join(errors))
 
 
 class IndexFirstAxis(torch.autograd.Function):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from . import _C, _ops  # noqa: F401  (_ops registers fake kernels and autograd)
 from .dropout import s_dmask, s_dmask_varlen
+from .errors import raises_argument_error
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -133,6 +134,7 @@ def _prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     return q, k, v, float(softmax_scale), head_dim
 
 
+@raises_argument_error
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -204,6 +206,7 @@ def flash_attn_func(
     return out, lse, probs
 
 
+@raises_argument_error
 def flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
     dropout_p: float = 0.0,
@@ -223,6 +226,7 @@ def flash_attn_qkvpacked_func(
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, num_splits)
 
 
+@raises_argument_error
 def flash_attn_kvpacked_func(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -243,6 +247,7 @@ def flash_attn_kvpacked_func(
                            alibi_slopes, deterministic, return_attn_probs, num_splits)
 
 
+@raises_argument_error
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -304,6 +309,7 @@ def flash_attn_varlen_func(
     return out, lse, probs
 
 
+@raises_argument_error
 def flash_attn_varlen_qkvpacked_func(
     qkv: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -326,6 +332,7 @@ def flash_attn_varlen_qkvpacked_func(
                                   return_attn_probs, num_splits=num_splits)
 
 
+@raises_argument_error
 def flash_attn_varlen_kvpacked_func(
     q: torch.Tensor,
     kv: torch.Tensor,

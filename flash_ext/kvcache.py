@@ -8,6 +8,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from .interface import _python_arg_errors, maybe_contiguous
+from .errors import raises_argument_error
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -100,6 +101,7 @@ class _ForwardOnly(torch.autograd.Function):
                            "through it; train with flash_attn_func / flash_attn_varlen_func")
 
 
+@raises_argument_error
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -127,6 +129,9 @@ def flash_attn_with_kvcache(
       (b, max_pages)) a paged cache (num_pages, page_size, nheads_k, d) with page_size a multiple of 128.
     * ``cache_seqlens`` (int or int32 (b,)): current cache lengths (absolute row index of the first free
       slot); default (only without new k/v): the whole cache.  ``cache_batch_idx`` (int32 (b,)): cache batch of each q batch entry.
+      Repeated values with new k/v are allowed, as in flash_attn (whose rows then "might come from any of the
+      duplicate indices"): where two entries write one cache row the later batch entry's row is stored, and
+      every entry attends to its cache entry after all appends (unspecified order with trusted values).
       ``cache_leftpad`` (int32 (b,)): the cache of entry i starts at row ``cache_leftpad[i]``.
     * ``k``/``v`` (b, seqlen_new, nheads_k, d): appended **in place** at rows ``cache_seqlens[i] ...`` before
       attention.  With ``rotary_cos``/``rotary_sin`` ((seqlen_ro, rotary_dim / 2)), k is rotated at those
@@ -138,10 +143,10 @@ def flash_attn_with_kvcache(
 
     Every argument, index values included (cache lengths, batch indices, left padding, pages, rotary
     coverage), is validated before anything is written: a refused call leaves the cache bit-identical, and a
-    bad index is a ValueError, never an out-of-bounds access.  On CUDA the index values cost one
-    device-to-host copy per call; they are trusted (not copied) while the current stream is capturing a CUDA
-    graph, or with ``FLASH_EXT_TRUST_CU_SEQLENS=1`` (then invalid values are undefined behaviour, as in
-    flash_attn).  The cache is plain storage: appending k/v that require grad records no autograd history
+    bad index is a ``flash_ext.ArgumentError`` (a ValueError and a RuntimeError), never an out-of-bounds
+    access.  On CUDA the index values cost one device-to-host copy per call; they are trusted (not copied)
+    while the current stream is capturing a CUDA graph, or with ``FLASH_EXT_TRUST_CU_SEQLENS=1`` (then
+    invalid values are undefined behaviour, as in flash_attn).  The cache is plain storage: appending k/v that require grad records no autograd history
     into it, and the function is forward-only (as in flash_attn).  The whole function is one op
     (``torch.ops.flash_ext.kvcache_fwd``, mutation declared), so a decode step compiles into one graph under
     ``torch.compile``.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flash_ext
+from flash_ext import bert_padding
 from flash_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 from conftest import require_device
@@ -82,6 +83,36 @@ def test_bad_input(call, words):
     msg = _error(call)
     for w in words:
         assert w in msg, f"{w!r} not in error message:\n{msg}"
+
+
+PUBLIC_CALLS = [
+    ("flash_attn_func", lambda: flash_attn_func(*_qkv(h=6, hk=4))),
+    ("flash_attn_func_python_rule", lambda: flash_attn_func(q0, k0, v0, window_size=4)),
+    ("qkvpacked", lambda: flash_attn_qkvpacked_func(torch.randn(2, 8, 2, 4, 64).half())),
+    ("kvpacked", lambda: flash_attn_kvpacked_func(q0, torch.randn(2, 24, 2, 2, 64).half(), dropout_p=1.0)),
+    ("varlen", lambda: flash_ext.flash_attn_varlen_func(
+        q0[0], k0[0], v0[0], torch.tensor([0, 16]), torch.tensor([0, 24]), 16, 24)),  # int64 cu_seqlens
+    ("kvcache", lambda: flash_ext.flash_attn_with_kvcache(q0, k0, v0, cache_seqlens=99)),
+    ("backward", lambda: flash_ext.flash_attn_backward(q0, q0, k0, v0, q0, torch.zeros(2, 4, 3))),  # LSE shape
+    ("bert_padding", lambda: bert_padding.index_first_axis(q0, torch.zeros(2, 2))),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in PUBLIC_CALLS], ids=[c[0] for c in PUBLIC_CALLS])
+def test_public_refusals_are_argument_errors(call):
+    """flash_attn 2.8's C++ checks raise RuntimeError, so code written for it may fall back on `except
+    RuntimeError`; the public functions' refusals are flash_ext.ArgumentError, a ValueError and a RuntimeError.
+    The registered ops keep raising ValueError (the dispatcher's mapping of the C++ checks' error)."""
+    with pytest.raises(RuntimeError) as info:
+        call()
+    assert isinstance(info.value, flash_ext.ArgumentError) and isinstance(info.value, ValueError), info.value
+    assert "flash_ext" in str(info.value)
+
+
+def test_op_refusals_stay_value_errors():
+    with pytest.raises(ValueError) as info:
+        _fwd_op(*_qkv(h=6, hk=4))
+    assert type(info.value) is ValueError and "heads" in str(info.value)
 
 
 def test_op_errors_list_argument_and_rule():

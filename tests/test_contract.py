@@ -394,8 +394,8 @@ def test_kvcache_append_to_an_inference_tensor_outside_inference_mode() -> None:
 
 
 def test_kvcache_append_into_overlapping_caches_is_refused() -> None:
-    """An expand()ed cache (entries sharing memory), one tensor as both caches, or two batch entries appending
-    to one cache entry: one append overwrote another, a silently wrong result.  Refused before any write."""
+    """An expand()ed cache (entries sharing memory) or one tensor as both caches: one append overwrote another,
+    a silently wrong result.  Refused before any write."""
     q, kn = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
     base = torch.randn(1, 16, 2, 64)
     shared = base.expand(2, 16, 2, 64)
@@ -407,13 +407,42 @@ def test_kvcache_append_into_overlapping_caches_is_refused() -> None:
     kc = torch.randn(2, 16, 2, 64)
     with pytest.raises(ValueError, match="k_cache/v_cache: got tensors sharing memory"):
         flash_ext.flash_attn_with_kvcache(q, kc, kc, kn, kn, cache_seqlens=3)
-    with pytest.raises(ValueError, match="cache_batch_idx: got value 1 repeated"):
-        flash_ext.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=3,
-                                          cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32))
     # without an append, shared or repeated entries are only read: allowed
     out = flash_ext.flash_attn_with_kvcache(q, shared, shared, cache_seqlens=3,
                                             cache_batch_idx=torch.tensor([0, 0], dtype=torch.int32))
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_repeated_cache_batch_idx_appends_deterministically(causal: bool) -> None:
+    """flash_attn 2.8 takes a repeated cache_batch_idx with new k/v ("the values updated in the cache might come
+    from any of the duplicate indices"; e.g. padding entries pointed at one spare slot); it was refused.  Now
+    taken, with the rule written out: where two entries write one cache row the later batch entry's row is
+    stored, and every entry attends to its cache entry as it is after all appends.  Expected cache built
+    row by row here, outputs from the float64 reference on it."""
+    torch.manual_seed(11)
+    b, h, hk, d, cap, new = 4, 4, 2, 64, 16, 2
+    q = torch.randn(b, new, h, d)
+    kc, vc = torch.randn(3, cap, hk, d), torch.randn(3, cap, hk, d)
+    kn, vn = torch.randn(b, new, hk, d), torch.randn(b, new, hk, d)
+    idx = [1, 0, 1, 1]     # entries 0, 2 and 3 share cache entry 1
+    lens = [3, 5, 4, 9]    # entry 0 writes rows 3-4, entry 2 rows 4-5 (row 4 overlaps), entry 3 rows 9-10
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    for i in range(b):     # batch order: a later entry overwrites an earlier one's row
+        for t in range(new):
+            kc_ref[idx[i], lens[i] + t], vc_ref[idx[i], lens[i] + t] = kn[i, t], vn[i, t]
+    out, lse = flash_ext.flash_attn_with_kvcache(
+        q, kc, vc, kn, vn, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+        cache_batch_idx=torch.tensor(idx, dtype=torch.int32), causal=causal, return_softmax_lse=True)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    for i in range(b):
+        keys = lens[i] + new
+        ref_out, ref_lse = reference.attention_ref(q[i:i + 1], kc_ref[idx[i]:idx[i] + 1, :keys],
+                                                   vc_ref[idx[i]:idx[i] + 1, :keys], causal=causal)
+        torch.testing.assert_close(out[i:i + 1].double(), ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[i:i + 1].double(), ref_lse, atol=1e-5, rtol=1e-5)
+    # Entry 0's row 4 lost to entry 2's: the cache holds entry 2's key there, not entry 0's.
+    assert torch.equal(kc[1, 4], kn[2, 0]) and not torch.equal(kc[1, 4], kn[0, 1])
 
 
 def test_kvcache_new_rows_that_view_a_cache_append_their_values_before_the_call() -> None:

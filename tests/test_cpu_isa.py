@@ -184,6 +184,7 @@ def test_env_unusable_level_refused(value: str) -> None:
         pytest.skip(f"this CPU runs {value}")
     r = _run_with_env(value, CALL)
     assert r.returncode != 0 and "ran" not in r.stdout
-    assert "ValueError" in r.stderr and "FLASH_EXT_CPU_ISA" in r.stderr, r.stderr[-2000:]
+    # flash_attn_func's refusal: flash_ext.ArgumentError, a ValueError (and a RuntimeError, as flash_attn's)
+    assert "flash_ext.errors.ArgumentError" in r.stderr and "FLASH_EXT_CPU_ISA" in r.stderr, r.stderr[-2000:]
     expected = "unknown CPU instruction-set level" if value == "sse9" else why.split(" (")[0]
     assert expected in r.stderr, r.stderr[-2000:]

@@ -12,6 +12,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "common.h"
 #include "index_values.h"
@@ -87,9 +88,12 @@ std::tuple<at::Tensor, at::Tensor> attend(at::Tensor const& q, at::Tensor const&
 
 // Rows cache_seqlens[i] .. cache_seqlens[i] + seqlen_new of entry i's cache (cache batch cache_batch_idx[i],
 // or its pages) receive k[i] and v[i].  The cache is plain storage: no autograd history is recorded into it.
+// `kept` (bool (b, seqlen_new), on the host): only those new rows are written; given when repeated cache batch
+// indices make two entries write one cache row, so that the later entry's row is the one stored.
 void append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& k, at::Tensor const& v,
             at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
-            std::optional<at::Tensor> const& block_table, int64_t page_size) {
+            std::optional<at::Tensor> const& block_table, int64_t page_size,
+            std::optional<at::Tensor> const& kept = std::nullopt) {
   at::NoGradGuard no_grad;
   int64_t const b = k.size(0), seqlen_new = k.size(1);
   if (b == 0 || seqlen_new == 0) { return; }
@@ -101,12 +105,45 @@ void append(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor const& k, at::T
     at::Tensor const row = at::remainder(pos, page_size);
     k_cache.index_put_({page, row}, k.detach());
     v_cache.index_put_({page, row}, v.detach());
-  } else {
-    at::Tensor const batch =
-        (cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(b, long_opts)).unsqueeze(1);
+    return;
+  }
+  at::Tensor const batch =
+      (cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(b, long_opts)).unsqueeze(1);
+  if (!kept.has_value()) {
     k_cache.index_put_({batch, pos}, k.detach());
     v_cache.index_put_({batch, pos}, v.detach());
+    return;
   }
+  // Rows selected first, so that no cache row is named twice in one index_put_ (whose order among duplicates
+  // is unspecified).
+  at::Tensor const sel = at::nonzero(kept->to(k.device()).flatten()).squeeze(1);  // (kept rows,)
+  at::Tensor const rows = batch.expand({b, seqlen_new}).flatten().index_select(0, sel);
+  at::Tensor const at_pos = pos.flatten().index_select(0, sel);
+  k_cache.index_put_({rows, at_pos}, k.detach().flatten(0, 1).index_select(0, sel));
+  v_cache.index_put_({rows, at_pos}, v.detach().flatten(0, 1).index_select(0, sel));
+}
+
+// For cache batch indices that repeat while new rows are appended: which (entry, new row) pairs are written,
+// as flash_attn allows repeats ("the values updated in the cache might come from any of the duplicate
+// indices"), made deterministic here: where two entries write one cache row, the later batch entry's row is
+// stored.  Every entry then attends to the cache as it is after all appends.  None when no row is written twice.
+std::optional<at::Tensor> rows_kept(int const* entry, int const* len, int64_t b, int64_t seqlen_new) {
+  std::vector<int64_t> order(b);
+  for (int64_t i = 0; i < b; ++i) { order[i] = i; }
+  // By cache entry, then batch entry: a later entry with the same cache entry follows directly.
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return entry[x] < entry[y]; });
+  std::optional<at::Tensor> kept;
+  for (int64_t a = 0; a < b; ++a) {
+    int64_t const i = order[a];
+    for (int64_t c = a + 1; c < b && entry[order[c]] == entry[i]; ++c) {
+      int64_t const j = order[c];  // j > i: its rows [len[j], len[j] + seqlen_new) win over entry i's
+      int64_t const from = std::max<int64_t>(len[i], len[j]), to = std::min<int64_t>(len[i], len[j]) + seqlen_new;
+      if (from >= to) { continue; }
+      if (!kept.has_value()) { kept = at::ones({b, seqlen_new}, at::TensorOptions().dtype(at::kBool)); }
+      kept->select(0, i).slice(0, from - len[i], to - len[i]).fill_(false);
+    }
+  }
+  return kept;
 }
 
 std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
@@ -188,6 +225,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
 
   // Index values: one host read of all of them (on CUDA one copy; trusted while capturing).
   IndexValues ix_values;
+  std::optional<at::Tensor> kept;  // the new rows written, where repeated cache batch indices overlap
   int const s_len = ix_values.add(idx_ok ? std::optional<at::Tensor>(cache_seqlens) : std::nullopt);
   int const s_idx = ix_values.add(idx_ok ? cache_batch_idx : std::nullopt);
   int const s_pad = ix_values.add(idx_ok ? cache_leftpad : std::nullopt);
@@ -218,14 +256,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     if (cache_batch_idx.has_value()) {
       int const* entry = ix_values.values(s_idx);
       check_index_range(c, entry, b, "cache_batch_idx", k_cache.size(0), "k_cache's batch dimension");
-      if (seqlen_new > 0) {  // two batch entries appending to one cache entry would overwrite each other
-        std::vector<int> sorted(entry, entry + b);
-        std::sort(sorted.begin(), sorted.end());
-        auto const dup = std::adjacent_find(sorted.begin(), sorted.end());
-        FLASH_EXT_REQUIRE(c, dup == sorted.end(), "cache_batch_idx",
-                  dup == sorted.end() ? "" : "value " + std::to_string(*dup) + " repeated",
-                  "must be distinct when new k/v are appended (each entry writes its own cache rows)");
-      }
+      if (seqlen_new > 0 && bad_len < 0) { kept = rows_kept(entry, len, b, seqlen_new); }
     }
     if (paged && bad_len < 0) {
       check_pages(c, ix_values.values(s_table), block_table->size(1), b, page_size, k_cache.size(0),
@@ -248,7 +279,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
       }
       return t;
     };
-    append(k_cache, v_cache, unaliased(*k), unaliased(*v), cache_seqlens, cache_batch_idx, block_table, page_size);
+    append(k_cache, v_cache, unaliased(*k), unaliased(*v), cache_seqlens, cache_batch_idx, block_table, page_size,
+           kept);
   }
   CacheIndices ix{seqlen_new ? cache_seqlens + int(seqlen_new) : cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, capacity, page_size};
