@@ -284,6 +284,29 @@ def test_bidirectional_window_with_padding_matches_reference(side):
     assert (got.double() - ref)[mask].abs().max() < 1e-5
 
 
+def t5gemma_encoder_config(sliding_window: int = 3):
+    from transformers import T5GemmaConfig, T5GemmaModuleConfig
+    module = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=sliding_window,
+                  layer_types=["sliding_attention"] * 2, initializer_range=0.2, dropout_rate=0.0,
+                  attention_dropout=0.0)
+    return T5GemmaConfig(encoder=T5GemmaModuleConfig(**module), decoder=T5GemmaModuleConfig(**module),
+                         vocab_size=VOCAB, dropout_rate=0.0, attention_dropout=0.0, pad_token_id=0,
+                         is_encoder_decoder=False)
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+def test_bidirectional_window_stated_by_the_mask(side):
+    """T5Gemma's encoder passes its layers the mask's own window (keys at distance <= w), where ModernBERT passes
+    w + 1 (flash_attention_2's convention, w - 1 per side): read from the layer's argument, the window was one
+    key too narrow per side (encoder output off by up to 2.6 of 3.8).  The mask pattern's window is taken."""
+    transformers_mod = pytest.importorskip("transformers")
+    if not hasattr(transformers_mod, "T5GemmaEncoderModel"):
+        pytest.skip("this transformers has no T5Gemma")
+    eager, fx = model_pair(transformers_mod.T5GemmaEncoderModel, t5gemma_encoder_config())
+    assert_matches_eager_fp32(eager, fx, ids_for(), padding_mask(side))
+
+
 def test_packed_sequences_match_eager():
     """Padding-free batch: three sequences in one row, told apart by position_ids restarting at 0."""
     eager, fx = model_pair(LlamaForCausalLM, llama_config())

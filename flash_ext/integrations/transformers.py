@@ -25,7 +25,11 @@ What the model hands over and what flash_ext makes of it
       causal attention it ends with the last query token, so a static cache's empty slots after it fall
       outside it (the keys past a mask's end are dropped, transformers' flash-attention convention);
     - a ``PackedSequences`` (several sequences concatenated in a row, from ``position_ids``: the varlen
-      kernel runs with one sequence per segment).
+      kernel runs with one sequence per segment);
+    - a ``BidirectionalWindow`` (one of the above with the window the pattern states)
+      where the pattern is a bidirectional sliding window: models pass their layers' ``sliding_window`` in two
+      conventions there (ModernBERT the pattern's window + 1, T5Gemma's encoder the window itself), so the
+      pattern's own window is taken, not the layer's argument.
   The pattern itself is read from the mask function and checked: causal or bidirectional, a sliding window,
   a chunked window that spans the whole input, packed sequences.  Anything else (a union of patterns such as
   bidirectional image-token blocks, a custom ``and_mask_function``) is refused with a ``ValueError``, never
@@ -44,7 +48,8 @@ What the model hands over and what flash_ext makes of it
     - ``PackedSequences`` or the ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments of a padding-free
       batch: ``flash_attn_varlen_func`` on the flattened tokens.
   ``scaling``, ``sliding_window`` (the model's convention: a window of ``w`` keys ends at the query, so
-  flash_ext's ``window_size=(w - 1, 0)``, or ``(w - 1, w - 1)`` bidirectional), ``softcap`` (Gemma-2) and
+  flash_ext's ``window_size=(w - 1, 0)``, or ``(w - 1, w - 1)`` bidirectional without a
+  ``BidirectionalWindow``; with one, its ``(w, w)``: keys at distance ``<= w``), ``softcap`` (Gemma-2) and
   ``dropout`` (training) are passed through; the backward is flash_ext's (training works).  With padding, a
   sliding window counts real tokens, not positions (queries and keys are both packed): the same as eager
   attention whenever each row's real tokens are contiguous (left or right padding).
@@ -70,8 +75,8 @@ from einops import rearrange
 from .. import bert_padding
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
-__all__ = ["DEFAULT_NAME", "SUPPORTED_VERSIONS", "PackedSequences", "attention_forward", "mask_interface",
-           "register"]
+__all__ = ["DEFAULT_NAME", "SUPPORTED_VERSIONS", "BidirectionalWindow", "PackedSequences", "attention_forward",
+           "mask_interface", "register"]
 
 DEFAULT_NAME = "fx_attention"
 SUPPORTED_VERSIONS = ">=5.4,<6"
@@ -93,6 +98,16 @@ class PackedSequences:
     max_seqlen: int
     batch: int
     seqlen: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BidirectionalWindow:
+    """A bidirectional sliding window as the mask pattern states it (``sliding_window_bidirectional_overlay``):
+    query i attends to keys j with ``|i - j| <= window``, over ``keys``: what ``mask_interface`` returns
+    without a window (None: no padding; a bool ``(batch, <= kv_length)`` key mask; ``PackedSequences``)."""
+
+    keys: Optional[Any]
+    window: int
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,7 +164,7 @@ def _pattern_catalogue(mu) -> Dict[Any, str]:
         ("and_masks", lambda f: f(mu.causal_mask_function), "and"),
         ("or_masks", lambda f: f(mu.causal_mask_function), "or"),
         ("sliding_window_overlay", lambda f: f(1), "window"),
-        ("sliding_window_bidirectional_overlay", lambda f: f(1), "window"),
+        ("sliding_window_bidirectional_overlay", lambda f: f(1), "bidirectional_window"),
         ("chunked_overlay", lambda f: f(1, probe[0]), "chunked"),
         ("packed_sequence_mask_function", lambda f: f(probe), "packed"),
         ("remap_positions_for_packed_sequence", lambda f: f(mu.causal_mask_function, probe), "remap"),
@@ -182,7 +197,8 @@ def _read_pattern(mask_function: Callable, catalogue: Dict[Any, str]) -> Dict[st
     """Walks the composition of index predicates transformers built; returns ``{"chunk_size": int|None,
     "packed": tensor|None}``; raises for any block that is not a causal/bidirectional base, an intersection,
     a sliding window, a chunk or a packed-sequence split (all of which the flash_ext call reproduces)."""
-    found: Dict[str, Any] = {"causal": False, "chunk_size": None, "packed": None, "remap": False}
+    found: Dict[str, Any] = {"causal": False, "chunk_size": None, "packed": None, "remap": False,
+                             "bidirectional_window": None}
     stack = [mask_function]
     while stack:
         fn = stack.pop()
@@ -190,7 +206,9 @@ def _read_pattern(mask_function: Callable, catalogue: Dict[Any, str]) -> Dict[st
         if kind == "causal":
             found["causal"] = True
         elif kind in ("bidirectional", "window"):
-            pass  # the attention call takes the window from the layer's own arguments
+            pass  # a causal window: the layer's sliding_window argument, whose convention models share
+        elif kind == "bidirectional_window":
+            found["bidirectional_window"] = int(_closure_vars(fn)["sliding_window"])
         elif kind == "and":
             stack.extend(_closure_vars(fn)["mask_functions"])
         elif kind == "remap":
@@ -230,12 +248,25 @@ def mask_interface(
     may be a 0-d tensor under a static cache); ``kv_length``/``kv_offset``: the keys the layer will see are
     tokens ``kv_offset ... kv_offset + kv_length - 1``; ``attention_mask``: the user's 2-D padding mask over
     tokens ``0 ...`` (bool, True = real), or None.  Returns None, a bool key mask over the first ``<=
-    kv_length`` keys, or a ``PackedSequences``.
+    kv_length`` keys, a ``PackedSequences``, or for a bidirectional sliding window a ``BidirectionalWindow``
+    holding None or the key mask.
     """
     parts = _transformers()
     if mask_function is None:
         mask_function = parts["causal_mask_function"]       # transformers' own default
     pattern = _read_pattern(mask_function, parts["patterns"])
+    mask = _key_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
+    window = pattern["bidirectional_window"]
+    if window is not None and (mask is None or isinstance(mask, PackedSequences)
+                               or (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
+        return BidirectionalWindow(mask, window)
+    return mask
+
+
+def _key_mask(pattern: Dict[str, Any], batch_size: int, q_length: int, kv_length: int, q_offset: Any,
+              kv_offset: int, attention_mask: Optional[torch.Tensor], device: Any):
+    """mask_interface's None, key mask or PackedSequences for the pattern read."""
+    parts = _transformers()
 
     chunk = pattern["chunk_size"]
     if chunk is not None and kv_offset + kv_length > chunk:
@@ -343,10 +374,14 @@ def attention_forward(
                              "block_table": "paged (continuous-batching) KV cache",
                              "head_mask": "per-head output mask"}[name])
     mask = attention_mask
+    stated_window = None  # a bidirectional window the mask pattern states (BidirectionalWindow)
+    if isinstance(mask, BidirectionalWindow):
+        mask, stated_window = mask.keys, mask.window
     if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or mask.is_floating_point()):
         errors.append(f"attention_mask: got a {mask.dim()}-D {mask.dtype} tensor {tuple(mask.shape)}; flash_ext takes "
-                      "a 2-D padding mask (batch, seqlen) only, it cannot apply an arbitrary (e.g. 4-D additive) mask; "
-                      "pass the 2-D mask, or use attn_implementation='sdpa' or 'eager' for custom masks")
+                      "a 2-D padding mask (batch, seqlen) only, it cannot apply an arbitrary (e.g. 4-D additive) mask "
+                      "such as a position bias the model folds into the mask (Falcon's alibi=True); pass the 2-D mask, "
+                      "or use attn_implementation='sdpa' or 'eager' for custom masks and additive biases")
     elif mask is not None and not isinstance(mask, (torch.Tensor, PackedSequences)):
         errors.append(f"attention_mask: got {type(mask).__name__}; must be None, a 2-D padding mask or "
                       f"PackedSequences (what {DEFAULT_NAME}'s mask function returns)")
@@ -374,7 +409,8 @@ def attention_forward(
         dropout_p=float(dropout),
         softmax_scale=float(scaling) if scaling is not None else head_dim ** -0.5,
         causal=causal,
-        window_size=_window(sliding_window, causal, seqlen_k),
+        window_size=(_window(sliding_window, causal, seqlen_k) if stated_window is None
+                     else (stated_window, 0 if causal else stated_window)),
         softcap=float(softcap) if softcap else 0.0,
         deterministic=bool(kwargs.get("deterministic") or False),
     )
