@@ -23,7 +23,8 @@ F = TypeVar("F", bound=Callable)
 
 def raises_argument_error(fn: F) -> F:
     """``fn`` with its ``ValueError`` (its own checks' and the ops') raised as ``ArgumentError``, message and
-    traceback kept (the handler costs nothing until something is raised; torch.compile traces through it)."""
+    traceback kept (the handler costs nothing until something is raised).  torch.compile traces through it
+    (fullgraph), but an op's refusal raised while a compiled graph runs arrives as the op's ``ValueError``."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
