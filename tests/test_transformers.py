@@ -357,6 +357,19 @@ def test_union_pattern_is_refused():
                            and_mask_function=lambda b, h, q, kv: kv != 3)
 
 
+def test_falcon_alibi_is_refused_by_name():
+    """Falcon with alibi=True folds ALiBi into the attention mask it asks for: without padding it failed inside
+    transformers' Falcon code (an AttributeError on the None mask), with padding on the 4-D float mask error,
+    neither naming ALiBi.  Refused when the mask is asked for, naming config.alibi."""
+    from transformers import FalconConfig, FalconForCausalLM
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                          initializer_range=0.2)
+    _, fx = model_pair(FalconForCausalLM, config)
+    for side in (None, "left"):
+        with pytest.raises(ValueError, match=r"config\.alibi: got True; .*additive position bias"):
+            output_of(fx, ids_for(), padding_mask(side))
+
+
 def test_unsupported_arguments_are_refused():
     _, fx = model_pair(LlamaForCausalLM, llama_config())
     module = fx.model.layers[0].self_attn

@@ -55,7 +55,8 @@ What the model hands over and what flash_ext makes of it
   attention whenever each row's real tokens are contiguous (left or right padding).
 
 Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be
-expressed), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
+expressed), a model that folds ALiBi into its mask (Falcon's ``config.alibi``, refused when the mask is
+asked for), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
 on CUDA (flash_ext's CUDA kernels take fp16/bf16; load the model in bf16 or run under ``torch.autocast``).
 fp32 activations in a half-precision model on CUDA (fp32 layer norms) run in the weights' dtype, as in
 transformers' own flash-attention path; on the CPU fp32 runs as fp32.
@@ -252,6 +253,13 @@ def mask_interface(
     holding None or the key mask.
     """
     parts = _transformers()
+    config = kwargs.get("config")
+    if getattr(config, "alibi", False) is True:
+        # Falcon adds ALiBi to the mask it gets here (a float tensor it needs, even without padding): refused
+        # before the model's own code fails on a mask it cannot add to.
+        raise ValueError(f"{_ERR}: config.alibi: got True; the model folds ALiBi, an additive position bias, into "
+                         f"the attention mask, which flash_ext's transformers path cannot apply (it takes a 2-D "
+                         f"padding mask); load this model with attn_implementation='sdpa' or 'eager'")
     if mask_function is None:
         mask_function = parts["causal_mask_function"]       # transformers' own default
     pattern = _read_pattern(mask_function, parts["patterns"])
