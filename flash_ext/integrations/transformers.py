@@ -250,7 +250,7 @@ def mask_interface(
     tokens ``kv_offset ... kv_offset + kv_length - 1``; ``attention_mask``: the user's 2-D padding mask over
     tokens ``0 ...`` (bool, True = real), or None.  Returns None, a bool key mask over the first ``<=
     kv_length`` keys, a ``PackedSequences``, or for a bidirectional sliding window a ``BidirectionalWindow``
-    holding None or the key mask.
+    holding what it returns without one.
     """
     parts = _transformers()
     config = kwargs.get("config")
