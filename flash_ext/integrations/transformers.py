@@ -263,7 +263,7 @@ def mask_interface(
     if mask_function is None:
         mask_function = parts["causal_mask_function"]       # transformers' own default
     pattern = _read_pattern(mask_function, parts["patterns"])
-    mask = _key_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
+    mask = _key_mask(parts, pattern, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
     window = pattern["bidirectional_window"]
     if window is not None and (mask is None or isinstance(mask, PackedSequences)
                                or (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
@@ -271,10 +271,9 @@ def mask_interface(
     return mask
 
 
-def _key_mask(pattern: Dict[str, Any], batch_size: int, q_length: int, kv_length: int, q_offset: Any,
-              kv_offset: int, attention_mask: Optional[torch.Tensor], device: Any):
-    """mask_interface's None, key mask or PackedSequences for the pattern read."""
-    parts = _transformers()
+def _key_mask(parts: Dict[str, Any], pattern: Dict[str, Any], batch_size: int, q_length: int, kv_length: int,
+              q_offset: Any, kv_offset: int, attention_mask: Optional[torch.Tensor], device: Any):
+    """mask_interface's None, key mask or PackedSequences for the pattern read (``parts``: _transformers())."""
 
     chunk = pattern["chunk_size"]
     if chunk is not None and kv_offset + kv_length > chunk:
