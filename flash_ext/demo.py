@@ -4,8 +4,7 @@
    attention, an odd head dim with ``seqlen_q < seqlen_k``, fp16 multi-query) and compares each output
    with a reference, printing the max error and the tolerance.
 
-   Reference: ``flash_ext.reference.attention_ref`` when that module imports; otherwise the naive
-   implementation of ``flash_ext.bench``.  Either way the rule is the one of the test suite: the error
+   Reference: ``flash_ext.reference.attention_ref``, with the rule of the test suite: the error
    of flash_ext against the float64 reference may be at most twice the error of the same computation
    done naively in the input dtype, plus a floor of about one output ulp (bf16 2e-3, fp16 2.5e-4,
    fp32 1e-5); the output must also be free of NaN.
@@ -24,12 +23,14 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 import flash_ext
-from flash_ext import bench
+from flash_ext.bench.common import DTYPE_NAMES, MiB, default_device, device_name, naive_attention, short_error
+from flash_ext.bench.memory import memory_point, memory_table
+from flash_ext.reference import attention_ref
 
 OUT_FLOOR = {torch.float16: 2.5e-4, torch.bfloat16: 2e-3, torch.float32: 1e-5}
 
@@ -57,33 +58,17 @@ CASES: Tuple[Case, ...] = (
 )
 
 
-def _reference() -> Tuple[str, Callable[..., Tuple[torch.Tensor, torch.Tensor]]]:
-    """Returns ``(description, fn)`` with ``fn(q, k, v, causal) -> (ref_float64, ref_same_dtype)``."""
-    try:
-        from flash_ext.reference import attention_ref
-
-        def via_reference(q, k, v, causal):
-            ref64 = attention_ref(q, k, v, causal=causal, upcast=True)[0]
-            ref_same = attention_ref(q, k, v, causal=causal, upcast=False)[0]
-            return ref64, ref_same
-
-        return "flash_ext.reference.attention_ref", via_reference
-    except Exception as exc:  # noqa: BLE001 - module being written elsewhere; fall back
-        reason = bench._short_error(exc)
-
-        def via_naive(q, k, v, causal):
-            scale = q.shape[-1] ** -0.5
-            ref64 = bench.naive_attention(q.double(), k.double(), v.double(), causal=causal, softmax_scale=scale)
-            ref_same = bench.naive_attention(q, k, v, causal=causal, softmax_scale=scale)
-            return ref64, ref_same
-
-        return f"naive attention of flash_ext.bench (reference module unavailable: {reason})", via_naive
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(ref_float64, ref_same_dtype)``: flash_ext.reference.attention_ref upcast and in the inputs' dtype."""
+    ref64 = attention_ref(q, k, v, causal=causal, upcast=True)[0]
+    ref_same = attention_ref(q, k, v, causal=causal, upcast=False)[0]
+    return ref64, ref_same
 
 
 def run_checks(device: torch.device) -> bool:
     """Runs every case; prints one line each; returns True when all pass."""
-    ref_name, ref_fn = _reference()
-    print(f"Correctness against {ref_name}")
+    print("Correctness against flash_ext.reference.attention_ref")
     print("  rule: max|out - ref64| <= 2 * max|ref_same_dtype - ref64| + floor, and no NaN")
     gen = torch.Generator(device="cpu").manual_seed(0)
     all_ok = True
@@ -91,13 +76,13 @@ def run_checks(device: torch.device) -> bool:
         q = torch.randn(c.batch, c.seqlen_q, c.nheads, c.head_dim, generator=gen).to(device, c.dtype)
         k = torch.randn(c.batch, c.seqlen_k, c.nheads_k, c.head_dim, generator=gen).to(device, c.dtype)
         v = torch.randn(c.batch, c.seqlen_k, c.nheads_k, c.head_dim, generator=gen).to(device, c.dtype)
-        shape = (f"q {tuple(q.shape)} k/v {tuple(k.shape)} {bench.DTYPE_NAMES[c.dtype]}"
+        shape = (f"q {tuple(q.shape)} k/v {tuple(k.shape)} {DTYPE_NAMES[c.dtype]}"
                  f"{' causal' if c.causal else ''}")
         try:
             out = flash_ext.flash_attn_func(q, k, v, causal=c.causal)
-            ref64, ref_same = ref_fn(q, k, v, c.causal)
+            ref64, ref_same = _reference(q, k, v, c.causal)
         except Exception as exc:  # noqa: BLE001 - reported as a failed check
-            print(f"  FAIL  {c.name}: {shape}: raised {bench._short_error(exc)}")
+            print(f"  FAIL  {c.name}: {shape}: raised {short_error(exc)}")
             all_ok = False
             continue
         err = (out.double() - ref64.double()).abs().max().item()
@@ -116,17 +101,17 @@ def run_memory(device: torch.device, seqlens: Sequence[int], nheads: int, head_d
     print(f"\nPeak extra memory of one forward call, batch 1, {nheads} heads, head dim {head_dim}, bf16 "
           f"(measured: {how})")
     w = torch.randn(1, 64, 2, 64, device=device, dtype=dtype)  # warm both paths up (thread pools etc.)
-    bench.naive_attention(w, w, w)
+    naive_attention(w, w, w)
     flash_ext.flash_attn_func(w, w, w)
     rows = []
     for s in seqlens:
-        rows.append(bench.memory_point(1, s, nheads, head_dim, False, dtype, device, cross_check=False))
-    print(bench.memory_table(rows, device))
+        rows.append(memory_point(1, s, nheads, head_dim, False, dtype, device, cross_check=False))
+    print(memory_table(rows, device))
     key = "cuda_alloc" if device.type == "cuda" else "rss"
     for r in rows:
         n, f = r.naive.get(key), r.flash_ext.get(key)
         if n is not None and f:
-            print(f"  seqlen {r.seqlen:>6}: naive {n / bench.MiB:9.1f} MiB   flash_ext {f / bench.MiB:7.2f} MiB   "
+            print(f"  seqlen {r.seqlen:>6}: naive {n / MiB:9.1f} MiB   flash_ext {f / MiB:7.2f} MiB   "
                   f"({n / f:.0f}x less)")
 
 
@@ -139,12 +124,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--nheads", type=int, default=None, help="memory section heads (default: CPU 4, CUDA 16)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory section")
     args = p.parse_args(argv)
-    device = torch.device(args.device) if args.device else bench.default_device()
+    device = torch.device(args.device) if args.device else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    print(f"flash_ext {flash_ext.__version__} on {bench.device_name(device)}, torch {torch.__version__}, "
+    print(f"flash_ext {flash_ext.__version__} on {device_name(device)}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; build: {flash_ext.build_info()}\n")
     ok = run_checks(device)
     if not args.no_memory:

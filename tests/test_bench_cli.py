@@ -1,5 +1,6 @@
 """The bench CLI (`python -m flash_ext.bench`) runs each mode end to end on tiny CPU sizes and exits 0, and
-refuses bad options through argparse.  Smoke tests of the tool, not timings: nothing here measures speed."""
+refuses bad options through argparse; README's demo (`python -m flash_ext.demo`) runs and passes.  Smoke tests
+of the tools, not timings: nothing here measures speed."""
 from __future__ import annotations
 
 import os
@@ -14,14 +15,28 @@ TINY = ["--device", "cpu", "--seqlens", "64", "--headdims", "32", "--threads", "
         "--batch", "1", "--nheads", "2"]
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
+def _module(module: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "flash_ext.bench", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return _module("flash_ext.bench", *args)
+
+
+def test_demo_runs_and_passes() -> None:
+    """README's first command ends in the demo; it was broken for days by a refactor of the bench package."""
+    r = _module("flash_ext.demo", "--device", "cpu", "--seqlens", "256", "512", "--nheads", "2")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "all checks passed" in r.stdout and r.stdout.count("  ok  ") == 4, r.stdout[-3000:]
+    assert "(measured: peak RSS" in r.stdout and "seqlen    512: naive" in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.parametrize("mode, extra", [
     ("fwd", ["--no-naive", "--backends", "math"]),
+    ("bwd", ["--no-naive", "--backends", "math", "--causal", "yes"]),
+    ("memory", ["--no-cross-check"]),
     ("decode", []),
     ("decode", ["--kv-heads", "2"]),  # multi-head attention: one query row per K/V head
     ("dropout", ["--dtype", "fp32"]),
@@ -36,6 +51,38 @@ def test_mode_runs(mode: str, extra: list) -> None:
 def test_bad_dropout_p_is_an_argparse_error() -> None:
     r = _bench("dropout", "--dropout-p", "1.0", *TINY)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--dropout-p: got 1.0; must be in [0, 1)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode, option, value, rule", [
+    ("fwd", "--seqlens", "-5", "must be >= 1"),
+    ("fwd", "--seqlens", "0", "must be >= 1"),
+    ("fwd", "--batch", "0", "must be >= 1"),
+    ("bwd", "--headdims", "0", "must be >= 1"),
+    ("memory", "--nheads", "-1", "must be >= 1"),
+    ("fwd", "--repeats", "0", "must be >= 1"),
+    ("decode", "--threads", "0", "must be >= 1"),
+    ("decode", "--kv-layers", "-1", "must be >= 0"),
+    ("fwd", "--warmup", "-1", "must be >= 0"),
+    ("ring", "--world", "0", "must be >= 1"),
+    ("ring", "--world", "1", "the ring mode needs >= 2 ranks"),
+])
+def test_bad_counts_are_argparse_errors(mode: str, option: str, value: str, rule: str) -> None:
+    """A count out of range is refused before anything runs (these ended in tracebacks, or ran empty problems
+    that reported PASS)."""
+    args = list(TINY)
+    if option in args:  # TINY's own value of the option is replaced
+        i = args.index(option)
+        del args[i:i + 2]
+    r = _bench(mode, *args, option, value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"argument {option}: got {value}" in r.stderr and rule in r.stderr, r.stderr[-3000:]
+
+
+def test_refused_problem_names_the_reason() -> None:
+    """A flash_ext refusal is an ERR row whose reason is printed, not just the op's header line."""
+    r = _bench("fwd", *TINY, "--headdims", "300", "--no-naive", "--backends", "math", "--causal", "no")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "flash_ext ERR" in r.stdout and "head_dim: got 300; must be in [1, 256]" in r.stdout, r.stdout[-3000:]
 
 
 def test_bad_kv_heads_is_an_error_naming_the_rule() -> None:

@@ -101,6 +101,7 @@ def bench_bwd_config(cfg: FwdConfig, device: torch.device, mode: str, backends: 
         ref, ref_name = _reference_grads(q, k, v, dout, cfg.causal, backends)
         if ref is None:
             row.check, row.impls["flash_ext"] = "ERR", ImplResult(status="ERR", note=ref_name)
+            notes.append(f"{cfg.describe()}: no reference gradient: {ref_name}")
         else:
             errs = [float((g.float() - r.float()).abs().max()) / max(float(r.float().abs().max()), 1e-30)
                     for g, r in zip(grads, ref)]
@@ -116,6 +117,7 @@ def bench_bwd_config(cfg: FwdConfig, device: torch.device, mode: str, backends: 
     except Exception as exc:  # noqa: BLE001
         row.check = "ERR"
         row.impls["flash_ext"] = ImplResult(status="OOM" if is_oom(exc) else "ERR", note=short_error(exc))
+        notes.append(f"{cfg.describe()}: flash_ext {row.impls['flash_ext'].status}: {short_error(exc)}")
     free_device_memory(device)
 
     sdpa_leaves = _leaves((q, k, v), "bshd" if sdpa_layout == "bshd-view" else "bhsd")

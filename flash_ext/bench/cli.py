@@ -21,6 +21,16 @@ from .ring import run_ring
 
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where there is a fixed default: options defaulting to None say in their
+    help what they default to (it depends on the device or the mode)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "%(default)" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flash_ext.bench",
@@ -28,25 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
                     "backends and naive attention (fwd, bwd, fwd+bwd), peak extra memory against seqlen (memory, "
                     "--backward for a training step), decode-step K/V bandwidth (decode), or the cost of dropout "
                     "(dropout), ring attention over gloo (ring).  See the module docstring.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", default="fwd",
                    choices=["fwd", "bwd", "fwd+bwd", "memory", "decode", "dropout", "ring"],
                    help="what to measure (bwd / fwd+bwd: the backward alone / forward + backward; decode: GB/s of "
                         "K/V read per decode step vs device copy and SDPA; dropout: forward time with dropout / "
                         "without, same run; ring: ring attention over gloo on this machine, per-step compute / "
                         "communication / overlap)")
-    p.add_argument("--world", type=int, default=2, help="ring: number of processes (ranks)")
+    p.add_argument("--world", type=_positive_int, default=2, help="ring: number of processes (ranks)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda if a GPU is visible and the build has CUDA kernels, else cpu")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--seqlens", type=int, nargs="+", default=None, help="override the seqlen grid")
-    p.add_argument("--headdims", type=int, nargs="+", default=None, help="override the head dims (64 128)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="element type of q, k, v")
+    p.add_argument("--seqlens", type=_positive_int, nargs="+", default=None, help="override the seqlen grid")
+    p.add_argument("--headdims", type=_positive_int, nargs="+", default=None, help="override the head dims (64 128)")
+    p.add_argument("--batch", type=_positive_int, default=None,
                    help="fixed batch (default: tokens // seqlen on CUDA, 1 on CPU)")
-    p.add_argument("--nheads", type=int, default=None,
+    p.add_argument("--nheads", type=_positive_int, default=None,
                    help="fixed head count (default: hidden // head_dim on CUDA, 8 on CPU; memory: 16 CUDA, 8 CPU)")
-    p.add_argument("--tokens", type=int, default=16384, help="CUDA fwd: batch * seqlen when --batch is not given")
-    p.add_argument("--hidden", type=int, default=2048, help="CUDA fwd: nheads * head_dim when --nheads is not given")
+    p.add_argument("--tokens", type=_positive_int, default=16384, help="CUDA fwd: batch * seqlen when --batch is not given")
+    p.add_argument("--hidden", type=_positive_int, default=2048, help="CUDA fwd: nheads * head_dim when --nheads is not given")
     p.add_argument("--causal", choices=["both", "yes", "no"], default=None,
                    help="default: both for fwd, no for memory")
     p.add_argument("--backends", nargs="+", choices=list(SDPA_BACKENDS), default=None,
@@ -56,15 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sdpa", action="store_true", help="dropout: do not time SDPA alongside")
     p.add_argument("--sdpa-layout", choices=["bhsd", "bshd-view"], default="bhsd",
                    help="inputs given to SDPA: contiguous (b,h,s,d) copies, or transposed views of flash_ext's")
-    p.add_argument("--kv-layers", type=int, default=0,
+    p.add_argument("--kv-layers", type=_nonnegative_int, default=0,
                    help="decode: K/V caches the steps cycle through, as a model's layers do (0: enough for "
                         "%d MiB in all, so each step reads its cache from memory, not from a warm cache; "
                         "1: the same cache every step)" % 512)
     p.add_argument("--kv-heads", type=_positive_int, default=None,
                    help="decode: K/V heads, dividing the query heads (default: nheads // 4, a GQA group of 4 "
                         "query rows per K/V head; nheads for multi-head attention, one row each)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--warmup", type=_nonnegative_int, default=None, help="untimed calls first (default: CUDA 10, CPU 1)")
+    p.add_argument("--repeats", type=_positive_int, default=None,
                    help="timed calls, median reported (default: CUDA 30, CPU 5; decode: as many as fill 0.25 s "
                         "per side, at least those)")
     p.add_argument("--quick", action="store_true",
@@ -75,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with SDPA's default backend as a third column")
     p.add_argument("--no-cross-check", action="store_true",
                    help="memory on CPU: skip the torch.profiler allocation cross-check")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch.set_num_threads(N) first (default: leave torch's default, which is printed)")
     p.add_argument("--json", metavar="PATH", default=None, help="write all results and metadata as JSON")
     p.add_argument("--plot", metavar="PATH.png", default=None, help="plot the results (needs matplotlib)")
@@ -93,6 +103,17 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _nonnegative_int(text: str) -> int:
+    """argparse type of a count that may be 0: an integer >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; must be an integer >= 0") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"got {n}; must be >= 0")
+    return n
+
+
 def _dropout_p(text: str) -> float:
     """argparse type of --dropout-p: a probability in [0, 1), as the attention functions require."""
     try:
@@ -105,7 +126,10 @@ def _dropout_p(text: str) -> float:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.mode == "ring" and args.world < 2:  # one rank has no ring: nothing to exchange or overlap
+        parser.error(f"argument --world: got {args.world}; the ring mode needs >= 2 ranks")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.causal is None:

@@ -188,9 +188,11 @@ def read_bandwidth_gbs(src: torch.Tensor, warmup: int, repeats: int) -> float:
 
 
 def short_error(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    return f"{type(exc).__name__}: {first[:160]}"
+    """One line for a table note: the exception's type and message, its lines joined (an op's refusal is a
+    header line, "flash_ext.fwd: 1 invalid argument:", then one line per reason; the reasons are the point)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    text = text or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -82,6 +82,7 @@ def bench_fwd_config(cfg: FwdConfig, device: torch.device, backends: Sequence[st
         free_device_memory(device)
         row.check = "ERR"
         row.impls["flash_ext"] = ImplResult(status="OOM" if is_oom(exc) else "ERR", note=short_error(exc))
+        notes.append(f"{cfg.describe()}: flash_ext {row.impls['flash_ext'].status}: {short_error(exc)}")
     else:
         row.check = "PASS" if ok else "FAIL"
         if ok:
