@@ -278,6 +278,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_poison_outputs", &ops::set_poison_outputs,
         "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
         py::arg("enable"));
+  m.def("set_check_only", &ops::set_check_only,
+        "Check-only mode for this thread: ops check their arguments, run nothing and always raise the ValueError "
+        "listing what they found (possibly nothing); returns the previous setting.",
+        py::arg("enable"));
   m.def("set_emulate", &ops::set_emulate,
         "The warp emulator's mode for CPU fp16/bf16 calls: 'sm80' or '' (off); returns the previous one.",
         py::arg("mode"));

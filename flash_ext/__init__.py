@@ -33,13 +33,16 @@ __all__ = [
 
 
 def build_info() -> dict:
-    """What this build contains and which CPU path it takes here: ``cuda`` (bool), ``cuda_archs`` (str),
-    ``gpu_head_dims`` / ``gpu_bwd_head_dims`` (the CUDA forward's and backward's head dims; FLASH_EXT_HEADDIMS,
-    FLASH_EXT_BWD_HEADDIMS), ``gpu_fwd_warps`` ("per variant", or "8 (baseline build)" for
-    FLASH_EXT_GPU_FWD_WARPS=8), ``host_head_dims``, ``emulator`` (bool) and ``emulator_head_dims`` (the warp emulator:
-    ``flash_ext.emulate``), ``cpu_isas`` (per CPU micro-kernel level: ``compiled``, ``supported`` by this CPU,
-    and why it is ``unavailable``), ``cpu_isa_best`` (the level chosen by default), ``cpu_isa`` (the level in
-    use; FLASH_EXT_CPU_ISA forces a lower one) and ``cpu_l2_bytes`` (the L2 size the CPU tiles are sized for)."""
+    """What this build contains and which CPU path it takes here, one entry per key:
+
+    * ``cuda``: bool; ``cuda_archs``: str; ``gpu_head_dims``: the CUDA forward's head dims (FLASH_EXT_HEADDIMS);
+      ``gpu_bwd_head_dims``: the CUDA backward's (FLASH_EXT_BWD_HEADDIMS); ``gpu_fwd_warps``: "per variant", or
+      "8 (baseline build)" with FLASH_EXT_GPU_FWD_WARPS=8;
+    * ``host_head_dims``: the CPU backend's head dims; ``emulator``: bool, and ``emulator_head_dims``: the warp
+      emulator's (``flash_ext.emulate``);
+    * ``cpu_isas``: per CPU micro-kernel level, whether it is compiled, supported by this CPU, and why not
+      (unavailable); ``cpu_isa_best``: the level taken by default; ``cpu_isa``: the level in use
+      (FLASH_EXT_CPU_ISA forces a lower one); ``cpu_l2_bytes``: the L2 size the CPU tiles are sized for."""
     return _C.build_info()
 
 

@@ -9,7 +9,8 @@ query row, key column).  ``dropout_mask`` evaluates that function element by ele
 forward kernel: the softmax probabilities recomputed in fp32 from q, k and the kernel's LSE, negated where
 the mask drops them (a dropped probability of 0 becomes -0.0, so ``torch.signbit`` recovers the mask
 everywhere and ``S_dmask >= 0`` wherever the probability is positive).  It needs about
-``3 * 4 * batch * nheads * seqlen_q * seqlen_k`` bytes of temporary memory.
+``3 * 4 * batch * nheads * seqlen_q * seqlen_k`` bytes of temporary memory, freed on return: it is computed
+without autograd and requires no grad (flash_attn's S_dmask gets no gradient either: its backward ignores it).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: f
     return torch.where(visible, p, torch.zeros_like(p))
 
 
+@torch.no_grad()  # a diagnostic, not a differentiable output: flash_attn's backward drops its gradient too
 def s_dmask(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, rng_state: torch.Tensor, dropout_p: float,
             softmax_scale: float, causal: bool, window_size: Tuple[int, int], softcap: float,
             alibi_slopes: Optional[torch.Tensor]) -> torch.Tensor:
@@ -74,6 +76,7 @@ def s_dmask(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, rng_state: torc
     return torch.where(keep, p, -p).to(q.dtype)
 
 
+@torch.no_grad()
 def s_dmask_varlen(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, rng_state: torch.Tensor, dropout_p: float,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    softmax_scale: float, causal: bool, window_size: Tuple[int, int], softcap: float,

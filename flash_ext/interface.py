@@ -5,6 +5,7 @@ no graph goes below the autograd layer: ``_call_forward_op``); the explicit back
 from __future__ import annotations
 
 import numbers
+import re
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -41,10 +42,10 @@ def _window_size_error(window_size) -> Optional[str]:
 
 
 def _python_arg_errors(dropout_p: float, window_size, softmax_scale=None) -> List[str]:
-    """Python-side argument types (the value rules, dropout_p in [0, 1) and the rest, are the op's)."""
+    """Python-side argument types (the value rules, dropout_p's range and the rest, are the op's)."""
     errors = []
     if not _is_real(dropout_p):
-        errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1)")
+        errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1 - 2^-17]")
     if softmax_scale is not None and not _is_real(softmax_scale):
         errors.append(f"softmax_scale: got {softmax_scale!r}; must be None (1 / sqrt(headdim)) or a float > 0")
     window_error = _window_size_error(window_size)
@@ -53,10 +54,30 @@ def _python_arg_errors(dropout_p: float, window_size, softmax_scale=None) -> Lis
     return errors
 
 
-def _check_python_args(dropout_p: float, window_size, softmax_scale=None) -> None:
-    errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
-    if errors:
-        raise ValueError("flash_ext: " + "; ".join(errors))
+def _refusal(op_name: str, errors: List[str]) -> ValueError:
+    """One error listing every unmet requirement, in the ops' format."""
+    return ValueError(f"{op_name}: {len(errors)} invalid argument{'s' if len(errors) > 1 else ''}:" +
+                      "".join(f"\n  - {e}" for e in errors))
+
+
+_OP_REFUSAL = re.compile(r"^\S+: \d+ invalid arguments?:")
+
+
+def _op_reasons(op, *args) -> List[str]:
+    """The unmet requirements ``op(*args)`` would report, found in the op's check-only mode (it checks and runs
+    nothing; ``_C.set_check_only``).  An error other than the op's list (arguments too malformed to check) is
+    returned whole."""
+    previous = _C.set_check_only(True)
+    try:
+        op(*args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        text = str(e)
+        if isinstance(e, ValueError) and _OP_REFUSAL.match(text):
+            return [line[4:] for line in text.splitlines() if line.startswith("  - ")]
+        return [text]
+    finally:
+        _C.set_check_only(previous)
+    return []
 
 
 def _stand_ins(errors: List[str], dropout_p, window_size, softmax_scale):
@@ -83,8 +104,7 @@ def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
         errors += plan.get("reasons", [])
     except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to plan: theirs is the error
         errors.append(str(e))
-    raise ValueError(f"flash_ext.fwd: {len(errors)} invalid argument{'s' if len(errors) > 1 else ''}:" +
-                     "".join(f"\n  - {e}" for e in errors))
+    raise _refusal("flash_ext.fwd", errors)
 
 
 # Where a call can record no graph, the forward ops are called below the autograd layer.  The autograd kernel
@@ -164,8 +184,8 @@ def flash_attn_func(
     * ``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` before masking (``<= 0``: off).
     * ``alibi_slopes`` fp32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
     * A query row that sees no key gets output 0 and log-sum-exp ``+inf``.
-    * ``dropout_p`` in ``[0, 1)`` (1 is refused, as flash_attn 2.8 does): each softmax probability is
-      dropped with probability ``dropout_p`` and the output is ``(P * mask) @ v / (1 - dropout_p)``; the
+    * ``dropout_p`` in ``[0, 1 - 2^-17]`` (the mask holds ``1 - p`` to 16 bits; flash_attn 2.8 refuses
+      p >= 1): each softmax probability is dropped with probability ``dropout_p`` and the output is ``(P * mask) @ v / (1 - dropout_p)``; the
       log-sum-exp is that of the undropped scores.  The mask is a pure function of a seed/offset drawn
       from torch's default generator of q's device (``torch.manual_seed`` repeats it bit for bit,
       consecutive calls differ, CUDA graph replays draw anew) and of the element's (batch, head, row,
@@ -173,7 +193,7 @@ def flash_attn_func(
       "Dropout").  ``dropout_p=0`` gives exactly the result without dropout.
     * Differentiable w.r.t. ``q``, ``k`` and ``v`` (the backward kernels, ``torch.ops.flash_ext.bwd``), through
       ``out`` and through the returned ``softmax_lse`` as well (flash_attn silently drops the latter); not
-      w.r.t. ``alibi_slopes`` (slopes that require grad raise ``NotImplementedError``).  With dropout the
+      w.r.t. ``alibi_slopes`` (with slopes that require grad the backward raises ``NotImplementedError``).  With dropout the
       backward regenerates the forward's mask from its ``rng_state``.
       ``deterministic=True`` makes the GPU backward
       accumulate dQ in a fixed order (bitwise identical gradients run to run, a little slower); on the CPU
@@ -289,13 +309,24 @@ def flash_attn_varlen_func(
     the sequence; ``S_dmask`` is ``(batch, nheads, max_seqlen_q, max_seqlen_k)``, zero outside each
     sequence's block.
     """
-    _check_python_args(dropout_p, window_size, softmax_scale)
+    errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
+    if errors:  # the op's own rules too, checked with neutral stand-ins for what failed here
+        p, window, scale = _stand_ins(errors, dropout_p, window_size, softmax_scale)
+        try:
+            q_, k_, v_, scale, _ = _prepare_qkv(q, k, v, scale, rank=3, kv_rank=4 if block_table is not None else 3)
+            errors += _op_reasons(torch.ops.flash_ext.varlen_fwd, q_, k_, v_, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                  int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), int(window[0]),
+                                  int(window[1]), float(softcap), alibi_slopes, int(num_splits), block_table, float(p),
+                                  None, bool(deterministic))
+        except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to check: theirs is the error
+            errors.append(str(e))
+        raise _refusal("flash_ext.varlen_fwd", errors)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3,
                                                     kv_rank=4 if block_table is not None else 3)
     out, lse, rng_state = _call_forward_op(
-        torch.ops.flash_ext.varlen_fwd, (q, k, v, alibi_slopes), q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
-        bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
-        block_table, float(dropout_p), None, bool(deterministic))
+        torch.ops.flash_ext.varlen_fwd, (q, k, v, alibi_slopes), q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+        float(softcap), alibi_slopes, int(num_splits), block_table, float(dropout_p), None, bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:

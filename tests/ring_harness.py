@@ -135,7 +135,7 @@ def run(world: int, stages: List[tuple], deadline_s: float = 120.0,
 
 def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Every case on this rank, in order.  A case: ``fn`` (a flash_ext.distributed function name), ``zigzag``,
-    ``packing`` ("qkv", "kv" or None), full-sequence ``q``, ``k``, ``v``, ``dout`` (or per-subgroup lists of
+    ``packing`` ("qkv", "kv" or None), ``strided`` (inputs with a strided last dimension), full-sequence ``q``, ``k``, ``v``, ``dout`` (or per-subgroup lists of
     them with ``subgroups``: lists of global ranks, each its own ring), ``kwargs``, ``backward`` (``lse_grad``:
     the loss also uses the LSE, with upstream gradient ``dlse``).  Returns per
     case ``out``, ``lse`` and (backward) ``dq``, ``dk``, ``dv`` of this rank's shards, or ``error``
@@ -165,9 +165,10 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[s
             q, k, v = (torch.cat([t, torch.zeros(*t.shape[:-1], 2, dtype=t.dtype)], dim=-1) for t in (q, k, v))
         elif perturb == "head_dim_300":
             q, k, v = (torch.zeros(*t.shape[:-1], 300, dtype=t.dtype) for t in (q, k, v))
-        elif perturb is not None:
+        elif perturb is not None and perturb != "no_grad":
             raise ValueError(f"unknown perturbation {perturb!r}")
-        leaves = [t.clone().requires_grad_(case["backward"]) for t in (q, k, v)]
+        # "no_grad": this rank's inputs record no graph while the others' do (the backward is collective too)
+        leaves = [t.clone().requires_grad_(case["backward"] and perturb != "no_grad") for t in (q, k, v)]
         fn = getattr(fxd, case["fn"])
         kwargs = dict(case["kwargs"], return_attn_probs=True, group=group)
         res: Dict[str, Any] = {}
@@ -180,6 +181,9 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> List[Dict[s
                 kv = torch.stack([t.detach() for t in leaves[1:]], dim=2).requires_grad_(case["backward"])
                 out, lse, _ = fn(leaves[0], kv, **kwargs)
                 grad_of = [leaves[0], kv]
+            elif case.get("strided"):  # inputs whose last dimension is strided (stride 2), views of the leaves
+                out, lse, _ = fn(*(torch.stack([t, t.detach()], dim=-1)[..., 0] for t in leaves), **kwargs)
+                grad_of = leaves
             else:
                 out, lse, _ = fn(*leaves, **kwargs)
                 grad_of = leaves

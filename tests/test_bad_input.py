@@ -9,6 +9,7 @@ import torch
 import flash_ext
 from flash_ext import bert_padding
 from flash_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flash_ext import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
 
 from conftest import require_device
 
@@ -154,14 +155,59 @@ def test_several_problems_rank_and_dtype():
 
 
 def test_dropout_p_rules():
-    """dropout_p must be a number in [0, 1): 1 is refused as flash_attn 2.8 refuses it; listed with the rest."""
-    for bad in (1.0, -0.1, float("nan"), 1.5):
+    """dropout_p must be a number in [0, 1 - 2^-17]: the mask holds 1 - p to 16 bits, so any larger p (1 too,
+    which flash_attn 2.8 refuses) would drop everything; listed with the rest, the value as passed."""
+    for bad, shown in ((1.0, "1"), (-0.1, "-0.1"), (float("nan"), "nan"), (1.5, "1.5"), (-1e-9, "-1e-09"),
+                       (1 - 2.0 ** -18, "0.9999961853027344"), (1 - 1e-9, "0.999999999")):
         msg = _error(flash_attn_func, q0, k0, v0, dropout_p=bad)
-        assert "dropout_p: got" in msg and "[0, 1)" in msg, msg
+        assert f"dropout_p: got {shown};" in msg and "[0, 1 - 2^-17]" in msg, msg
+        assert "flash_attn 2.8 refuses it too" not in msg, msg  # it does not refuse negative values
+    # the largest p whose keep probability is representable runs, and keeps about 1 in 2^16 probabilities
+    out = flash_attn_func(q0, k0, v0, dropout_p=1 - 2.0 ** -17)
+    assert torch.isfinite(out).all()
     msg = _error(flash_attn_func, q0.double(), k0, v0, dropout_p=1.0)
     assert "dropout_p" in msg and "q.dtype" in msg, msg
     msg = _error(flash_attn_func, q0, k0, v0, dropout_p="0.1")
     assert "dropout_p: got '0.1'" in msg, msg
+
+
+@pytest.mark.parametrize("fn", ["varlen", "varlen_qkvpacked", "varlen_kvpacked"])
+def test_varlen_python_type_errors_listed_with_the_op_rules(fn):
+    """A dropout_p or window_size of the wrong type (caught in Python) is listed together with what the op
+    itself refuses (here q's dtype and a cu_seqlens value), as flash_attn_func does, in one error."""
+    q = torch.randn(10, 2, 64, dtype=torch.float64)
+    kv = torch.randn(10, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)  # 12 > 10 rows
+    bad = dict(dropout_p=torch.tensor(0.1), window_size=(1,))
+    if fn == "varlen":
+        msg = _error(flash_attn_varlen_func, q, kv, kv, cu, cu, 8, 8, **bad)
+    elif fn == "varlen_qkvpacked":
+        msg = _error(flash_attn_varlen_qkvpacked_func, torch.stack([q, q, q], 1), cu, 8, **bad)
+    else:
+        msg = _error(flash_attn_varlen_kvpacked_func, q, torch.stack([kv, kv], 1), cu, cu, 8, 8, **bad)
+    for w in ["dropout_p: got tensor(0.1000)", "window_size: got (1,)", "q.dtype", "cu_seqlens_q[-1]"]:
+        assert w in msg, f"{w!r} missing from:\n{msg}"
+    assert re.match(r"flash_ext.varlen_fwd: \d+ invalid arguments:", msg), msg
+
+
+def test_check_only_mode_runs_nothing_and_is_per_call():
+    """The ops' check-only mode (used for the lists above) raises even for valid arguments, writes nothing,
+    and is off again after the call that used it."""
+    from flash_ext import _C
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
+    new = torch.ones(1, 2, 2, 64, dtype=torch.bfloat16)
+    seqlens = torch.tensor([3], dtype=torch.int32)
+    previous = _C.set_check_only(True)
+    try:
+        with pytest.raises(ValueError, match=r"flash_ext.kvcache_fwd: 0 invalid argument"):
+            flash_ext.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=seqlens)
+    finally:
+        _C.set_check_only(previous)
+    assert not previous and (cache == 0).all(), "check-only must append nothing"
+    out = flash_ext.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=seqlens)
+    assert torch.isfinite(out).all() and (cache[0, 3:5] == 1).all()
 
 
 def test_valid_after_error():

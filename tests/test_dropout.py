@@ -211,6 +211,17 @@ def test_s_dmask(device, causal, window):
     check_close(out, lse, q, k, v, causal=causal, window_size=window, dropout_p=p, dropout_mask=mask)
 
 
+def test_s_dmask_carries_no_gradient():
+    """S_dmask is a diagnostic: no graph (it would keep O(sq x sk) fp32 temporaries alive and send a gradient
+    into q and k that flash_attn's backward drops); out and the LSE stay differentiable."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 20, 30, 2, 1, 64, torch.bfloat16))
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
+    assert not s_dmask.requires_grad and s_dmask.grad_fn is None
+    assert out.requires_grad and lse.requires_grad
+    (out.float().sum() + lse.sum()).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_s_dmask_empty_without_dropout():
     """flash_attn returns an empty tensor (q's dtype) as S_dmask when there is no dropout, not None."""
     q, k, v = make_qkv(1, 9, 9, 2, 2, 32, torch.float16)

@@ -67,6 +67,9 @@ def _cases(world: int) -> List[Dict[str, Any]]:
         dict(_case("mismatched head dim", world, zz, s_q=12, d=40, backward=False), perturb={1: "head_dim_plus_2"},
              expect_error=True),
         dict(_case("dropout", world, zz, s_q=12, dropout_p=0.1, backward=False), expect_error=True),
+        dict(_case("grad on some ranks only", world, ring, s_q=12, causal=True), perturb={1: "no_grad"},
+             expect_error=True),
+        dict(_case("ring causal strided last dim bf16", world, ring, s_q=19, h=4, hk=2, causal=True), strided=True),
         _case("zigzag causal qkvpacked bf16", world, "zigzag_ring_flash_attn_qkvpacked_func", s_q=30, packing="qkv",
               causal=True),
         _case("ring kvpacked sliding window softcap gqa bf16", world, "ring_flash_attn_kvpacked_func", s_q=33, h=4,
@@ -304,6 +307,9 @@ def test_bad_arguments_on_one_rank_fail_every_rank(ring_run):
         assert kind == "ValueError" and "different arguments" in msg and "head_dim=42" in msg, (r, msg)
         kind, msg = results[r][by_name["dropout"]]["error"]
         assert kind == "NotImplementedError" and "dropout_p=0.1" in msg and "global" in msg, (r, msg)
+        # one rank recording no graph would leave the others waiting in the backward's first exchange
+        kind, msg = results[r][by_name["grad on some ranks only"]]["error"]
+        assert kind == "ValueError" and "different arguments" in msg and "requires_grad=0" in msg, (r, msg)
     # the cases after the refused ones ran on the same group (checked by the forward tests)
 
 

@@ -95,3 +95,26 @@ def test_non_causal_is_one_full_call_per_step():
     for zigzag in (False, True):
         calls = covered(3, 4, 6, zigzag, False, (-1, -1))
         assert set(calls.values()) == {1}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_shard_and_unshard_sequence_against_positions(world, zigzag):
+    """shard_sequence gives each rank the rows `positions` names (derived above, independently), and
+    unshard_sequence puts every row back; shards it cannot have made are refused, not silently reordered."""
+    from flash_ext.distributed import shard_sequence, unshard_sequence
+
+    s_local = 6
+    x = torch.arange(world * s_local).view(1, -1, 1, 1).expand(2, -1, 3, 1) * 10 + torch.arange(3).view(1, 1, 3, 1)
+    shards = [shard_sequence(x, r, world, zigzag=zigzag) for r in range(world)]
+    for r, sh in enumerate(shards):
+        assert torch.equal(sh[0, :, 0, 0], positions(r, world, s_local, zigzag) * 10), (r, sh[0, :, 0, 0])
+    assert torch.equal(unshard_sequence(shards, zigzag=zigzag), x)
+    if world > 1 or zigzag:  # a length one row short is divisible by 1 only
+        with pytest.raises(ValueError, match="divisible"):
+            shard_sequence(x[:, :-1], 0, world, zigzag=zigzag)
+    if zigzag:  # odd or unequal shards: chunk(2) would split them elsewhere than shard_sequence does
+        with pytest.raises(ValueError, match="same, even length"):
+            unshard_sequence([torch.arange(3).view(1, 3), torch.arange(3, 6).view(1, 3)], zigzag=True)
+        with pytest.raises(ValueError, match="same, even length"):
+            unshard_sequence([torch.arange(4).view(1, 4), torch.arange(4, 6).view(1, 2)], zigzag=True)

@@ -4,7 +4,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -270,8 +272,14 @@ DeviceInfo call_device(at::Tensor const& q) {
   return info;
 }
 
+namespace {
+thread_local bool t_check_only = false;
+}  // namespace
+
+bool set_check_only(bool enable) { return std::exchange(t_check_only, enable); }
+
 void ArgChecker::raise_if_any() const {
-  if (errors_.empty()) { return; }
+  if (errors_.empty() && !t_check_only) { return; }
   std::ostringstream os;
   os << op_ << ": " << errors_.size() << " invalid argument" << (errors_.size() > 1 ? "s" : "") << ":";
   for (auto const& e : errors_) { os << "\n  - " << e; }
@@ -285,6 +293,14 @@ std::string str(at::IntArrayRef a) {
 }
 std::string str(at::ScalarType t) { return std::string(c10::toString(t)); }
 std::string str(at::Device d) { return d.str(); }
+
+std::string str(double x) {
+  // Shortest text that reads back as x: std::to_string's fixed six decimals print 1 - 1e-9 as "1.000000" and
+  // -1e-9 as "-0.000000", naming a value the caller did not pass.
+  std::array<char, 32> buf{};
+  auto const res = std::to_chars(buf.data(), buf.data() + buf.size(), x);
+  return std::string(buf.data(), res.ptr);
+}
 
 DType to_dtype(at::ScalarType t) {
   switch (t) {
@@ -444,10 +460,10 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
   // softcap <= 0 is off (its Python docstring: "<= 0.0 means deactivate"); set_semantics maps them.
   FLASH_EXT_REQUIRE(c, num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
             "must be <= " + std::to_string(kMaxSplits) + " (0 or less: heuristic, 1: no split, n: n splits)");
-  FLASH_EXT_REQUIRE(c, std::isfinite(softcap), "softcap", std::to_string(softcap), "must be finite (<= 0: off)");
+  FLASH_EXT_REQUIRE(c, std::isfinite(softcap), "softcap", str(softcap), "must be finite (<= 0: off)");
   // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
   FLASH_EXT_REQUIRE(c, std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale",
-            std::to_string(softmax_scale), "must be finite and > 0");
+            str(softmax_scale), "must be finite and > 0");
   if (alibi_slopes.has_value()) {
     auto const& a = *alibi_slopes;
     bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) ||

@@ -34,7 +34,9 @@ class ArgChecker {
   void fail(std::string const& arg, std::string const& got, std::string const& rule) {
     errors_.push_back(arg + ": got " + got + "; " + rule);
   }
-  // Throws one ValueError listing every requirement that failed so far.
+  // Throws one ValueError listing every requirement that failed so far.  Every op calls it once, after all of
+  // its checks and before anything is allocated for the kernel or written; in check-only mode (below) it
+  // throws even with nothing to list, so the op runs its checks and nothing else.
   void raise_if_any() const;
   std::vector<std::string> const& errors() const { return errors_; }
   std::string const& op() const { return op_; }
@@ -56,6 +58,7 @@ class ArgChecker {
 std::string str(at::IntArrayRef a);
 std::string str(at::ScalarType t);
 std::string str(at::Device d);
+std::string str(double x);  // shortest round-trip form
 DType to_dtype(at::ScalarType t);
 
 // t's device if it is a CUDA device, else none: what an op's device guard takes (a CPU or meta tensor leaves
@@ -155,6 +158,12 @@ std::tuple<at::Tensor, at::Tensor> set_splits(FwdParams& p, at::Tensor const& q,
 // forgets to write fails the comparison.  Returns the previous setting.
 bool set_poison_outputs(bool enable);
 bool poison_outputs();
+
+// Check-only mode, per thread: an op called in it checks its arguments and returns nothing, always through
+// ArgChecker::raise_if_any's ValueError (with the list it found, perhaps empty).  The Python layer uses it to
+// list the op's own unmet requirements beside the Python-side ones when a call breaks both (varlen's
+// dropout_p given as a tensor and a bad q dtype): one error with everything.  Returns the previous setting.
+bool set_check_only(bool enable);
 
 // What would run for these params: backend, tile, the flags the kernel is specialised on, variant, shared
 // memory, grid, estimated HBM traffic; or ok=false with the reasons.  Runs nothing.

@@ -34,9 +34,12 @@ uint32_t keep_threshold(double dropout_p) { return uint32_t(std::floor((1.0 - dr
 }  // namespace
 
 void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::optional<at::Tensor> const& rng_state) {
-  FLASH_EXT_REQUIRE(c, std::isfinite(dropout_p) && dropout_p >= 0 && dropout_p < 1, "dropout_p",
-            std::to_string(dropout_p),
-            "must be in [0, 1) (1 would drop every probability; flash_attn 2.8 refuses it too)");
+  // The mask holds 1 - p to 16 bits (keep_threshold): past 1 - 2^-17 the threshold rounds to 0 and every
+  // probability would be dropped, an all-zero output scaled by a huge 1 / (1 - p).
+  bool const p_ok = std::isfinite(dropout_p) && dropout_p >= 0 && dropout_p < 1 && keep_threshold(dropout_p) >= 1;
+  FLASH_EXT_REQUIRE(c, p_ok, "dropout_p", str(dropout_p),
+            "must be in [0, 1 - 2^-17] (the keep probability 1 - p is held to 16 bits; a larger p drops every "
+            "probability)");
   if (rng_state.has_value()) {
     auto const& r = *rng_state;
     FLASH_EXT_REQUIRE(c, r.dim() == 1 && r.size(0) == 2 && r.scalar_type() == at::kLong && r.device() == device,

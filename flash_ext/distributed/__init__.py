@@ -30,11 +30,14 @@ its global coordinates, the same in the forward and the backward) and
 Requirements of a call (all ranks of ``group`` call it together, like any collective, forward and backward):
 every rank passes the same shapes, dtypes and options.  Before anything is sent, the ranks compare them with
 one small ``all_gather`` (a CPU tensor on a gloo group, no device synchronisation; with NCCL alone a device
-tensor and one host read): a rank whose arguments are invalid raises its ``ValueError`` and every other rank a
-``ValueError`` naming it, instead of waiting for a transfer that never comes.  Set
-``FLASH_EXT_RING_TRUST_ARGS=1`` on every rank to skip that check (invalid or mismatched arguments are then
-undefined behaviour: a rank may wait until the process group's timeout, and gloo may even deliver a shorter
-message silently).  Transfers that fail later (a peer dies or stops calling) end with an error naming the step
+tensor and one host read): a rank whose arguments are invalid raises its ``ValueError`` (``NotImplementedError``
+for dropout or ALiBi) and every other rank a ``ValueError`` naming it, instead of waiting for a transfer that
+never comes.  Whether the call records a graph (grad mode and an input requiring grad) is compared too: the
+backward is a collective as well.  Set ``FLASH_EXT_RING_TRUST_ARGS=1`` on every rank to skip that check
+(invalid or mismatched arguments are then undefined behaviour: a rank may wait until the process group's
+timeout, gloo may deliver a shorter message silently or abort the process, and mismatched options give wrong
+results silently).  A rank that records a graph but never calls ``.backward()`` leaves the others waiting in
+theirs until the timeout.  Transfers that fail later (a peer dies or stops calling) end with an error naming the step
 and the peer, bounded by the process group's ``timeout``.
 """
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _C
-from ..interface import _window_size_error
+from ..interface import _window_size_error, maybe_contiguous
 from .ring import RingFlashAttnFunction, RingSpec
 
 __all__ = [
@@ -82,10 +85,16 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, zigzag: bool = F
 
 def unshard_sequence(shards: List[torch.Tensor], zigzag: bool = False, dim: int = 1) -> torch.Tensor:
     """The full-sequence tensor from every rank's shard (``shards[r]`` from rank ``r``), inverting
-    ``shard_sequence``; e.g. after ``dist.all_gather``."""
+    ``shard_sequence``; e.g. after ``dist.all_gather``.  Zigzag shards must all have one even length."""
     if not zigzag:
         return torch.cat(shards, dim=dim)
     w = len(shards)
+    lengths = [s.shape[dim] for s in shards]
+    if w < 1 or lengths[0] % 2 or any(n != lengths[0] for n in lengths):
+        # chunk(2) of an odd or unequal shard splits it elsewhere than shard_sequence did: a silent reordering
+        raise ValueError(
+            f"flash_ext.distributed.unshard_sequence: zigzag shards of lengths {lengths} (dim {dim}): every rank's "
+            f"shard must have the same, even length (two chunks of the sequence, as shard_sequence makes them)")
     halves = [s.chunk(2, dim=dim) for s in shards]
     return torch.cat([halves[r][0] for r in range(w)] + [halves[w - 1 - i][1] for i in range(w)], dim=dim)
 
@@ -118,24 +127,26 @@ def _local_errors(q, k, v, dropout_p, window_size, alibi_slopes, zigzag: bool) -
     return errors, unsupported
 
 
-def _signature(ok: bool, q, k, head_dim: int, softmax_scale: float, causal: bool, window_size, softcap: float,
+def _signature(ok: bool, q, k, v, head_dim: int, softmax_scale: float, causal: bool, window_size, softcap: float,
                deterministic: bool, zigzag: bool) -> List[float]:
     """What every rank must agree on (the caller's head dim, not the padded one: two head dims that pad to the
-    same size would exchange K/V of the same shape but mean different things)."""
+    same size would exchange K/V of the same shape but mean different things), and whether the call records a
+    graph: the backward is collective too, so a rank without one would leave the others waiting in it."""
     if not ok:
-        return [0.0] + [-1.0] * 14
+        return [0.0] + [-1.0] * (len(_SIG_FIELDS) - 1)
+    records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return [1.0, *map(float, q.shape[:3]), float(head_dim), *map(float, k.shape[1:3]),
             float(_DTYPE_CODES.get(q.dtype, 0)),
             float(softmax_scale), float(causal), float(window_size[0]), float(window_size[1]), float(softcap),
-            float(deterministic), float(zigzag)]
+            float(deterministic), float(zigzag), float(records_graph)]
 
 
 _SIG_FIELDS = ("ok", "batch", "s_q", "heads", "head_dim", "s_k", "heads_k", "dtype", "softmax_scale", "causal",
-               "window_left", "window_right", "softcap", "deterministic", "zigzag")
+               "window_left", "window_right", "softcap", "deterministic", "zigzag", "requires_grad")
 
 
 def _agree(group, device: torch.device, sig: List[float]) -> List[List[float]]:
-    """Every rank's signature (one all_gather of 15 float64 on the group)."""
+    """Every rank's signature (one all_gather of a few float64 on the group)."""
     backend = str(dist.get_backend(group))
     on_cpu = "gloo" in backend or "cpu" in backend
     mine = torch.tensor(sig, dtype=torch.float64, device="cpu" if on_cpu else device)
@@ -151,6 +162,8 @@ def _ring_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         raise RuntimeError(f"{name}: torch.distributed is not initialised (call dist.init_process_group first)")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{name}: group: this process (global rank {dist.get_rank()}) is not a member of the group")
+    # As flash_attn_func: a strided last dimension is made contiguous (a differentiable copy), not refused.
+    q, k, v = (maybe_contiguous(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     errors, unsupported = _local_errors(q, k, v, dropout_p, window_size, alibi_slopes, zigzag)
     head_dim = 0
     if not errors and not unsupported:
@@ -160,7 +173,7 @@ def _ring_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         errors += list(plan.get("reasons", [])) if not plan.get("ok", False) else []
     ok = not errors and not unsupported
     if os.environ.get("FLASH_EXT_RING_TRUST_ARGS", "0") != "1":
-        sig = _signature(ok, q, k, head_dim, softmax_scale, causal, window_size, softcap, deterministic, zigzag)
+        sig = _signature(ok, q, k, v, head_dim, softmax_scale, causal, window_size, softcap, deterministic, zigzag)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         try:
             everyone = _agree(group, device, sig)
@@ -213,8 +226,8 @@ _ARGS_DOC = """
     Arguments as ``flash_ext.flash_attn_func`` (flash_attn 2.8), on this rank's shards, plus ``group`` (the
     process group of the ring, default the world).  q ``(b, s_q, h, d)``, k/v ``(b, s_k, h_k, d)``; every rank
     passes the same shapes, dtype and options.  Returns this rank's ``out (b, s_q, h, d)``, or with
-    ``return_attn_probs=True`` ``(out, softmax_lse (b, h, s_q) fp32, None)``.  Differentiable w.r.t. q, k, v
-    (not w.r.t. the returned LSE).  ``dropout_p`` must be 0 and ``alibi_slopes`` None (``NotImplementedError``).
+    ``return_attn_probs=True`` ``(out, softmax_lse (b, h, s_q) fp32, None)``.  Differentiable w.r.t. q, k, v,
+    through ``out`` and the returned LSE (as ``flash_ext.flash_attn_func``).  ``dropout_p`` must be 0 and ``alibi_slopes`` None (``NotImplementedError``).
 """
 
 
