@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .interface import _python_arg_errors, maybe_contiguous
+from .interface import _op_reasons, _python_arg_errors, _refusal, maybe_contiguous
 from .errors import raises_argument_error
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
@@ -77,6 +77,29 @@ def _argument_errors(q: torch.Tensor, k_cache: torch.Tensor, k: Optional[torch.T
                    else repr(cache_seqlens))
             errors.append(f"cache_seqlens: got {got}; must be an int or an int32 tensor of shape ({b},)")
     return errors
+
+
+def _op_errors_beside(errors: List[str], q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                      block_table, causal, softcap, alibi_slopes, num_splits) -> List[str]:
+    """What the op itself would also refuse (dtypes, devices, index values, ...) when the Python checks above
+    already failed: the op in check-only mode, with neutral stand-ins for what failed here (no window, the
+    default scale, no new k/v, no rotary) so that one error lists everything.  Nothing when q or the cache
+    is not even 4-D (the op's rank errors would repeat the Python one)."""
+    refused = lambda name: any(e.startswith(name + ":") for e in errors)  # noqa: E731
+    if refused("q/k_cache") or not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache)):
+        return []
+    new_kv = None if refused("k/v") or k is None else (maybe_contiguous(k), maybe_contiguous(v))
+    b, capacity = q.shape[0], k_cache.shape[1]
+    if isinstance(cache_seqlens, torch.Tensor) and not refused("cache_seqlens"):
+        seqlens = cache_seqlens
+    else:  # an int (or a refused value: 0) as the tensor the op takes
+        n = cache_seqlens if isinstance(cache_seqlens, int) and not refused("cache_seqlens") else (
+            0 if new_kv is not None else capacity)
+        seqlens = torch.full((b,), n, dtype=torch.int32, device=q.device)
+    scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
+    return _op_reasons(torch.ops.flash_ext.kvcache_fwd, maybe_contiguous(q), k_cache, v_cache,
+                       *(new_kv if new_kv is not None else (None, None)), seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, scale, bool(causal), -1, -1, float(softcap), alibi_slopes, int(num_splits), -1, 0)
 
 
 def _inference_cache_outside_inference_mode(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -153,8 +176,9 @@ def flash_attn_with_kvcache(
     """
     errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size, softmax_scale)
     if errors:
-        raise ValueError(f"flash_ext.flash_attn_with_kvcache: {len(errors)} invalid argument"
-                         f"{'s' if len(errors) > 1 else ''}:" + "".join(f"\n  - {e}" for e in errors))
+        errors += _op_errors_beside(errors, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                    block_table, causal, softcap, alibi_slopes, num_splits)
+        raise _refusal("flash_ext.flash_attn_with_kvcache", errors)
     # As flash_attn: q and the new k/v may have a strided last dimension (the caches may not: they are written).
     q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
     b, sq = q.shape[0], q.shape[1]

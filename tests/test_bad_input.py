@@ -190,6 +190,19 @@ def test_varlen_python_type_errors_listed_with_the_op_rules(fn):
     assert re.match(r"flash_ext.varlen_fwd: \d+ invalid arguments:", msg), msg
 
 
+def test_kvcache_python_type_errors_listed_with_the_op_rules():
+    """flash_attn_with_kvcache: a Python-side refusal (cache_seqlens' type, window_size's shape) comes with
+    the op's own (q's dtype, a cache_batch_idx value) in one error, and the cache is not written."""
+    q = torch.randn(1, 4, 2, 64, dtype=torch.float64)
+    k_cache, v_cache = (torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    new = torch.ones(1, 2, 2, 64, dtype=torch.bfloat16)
+    msg = _error(flash_ext.flash_attn_with_kvcache, q, k_cache, v_cache, new, new, cache_seqlens="x",
+                 window_size=(1,), cache_batch_idx=torch.tensor([5], dtype=torch.int32))
+    for w in ["cache_seqlens: got 'x'", "window_size: got (1,)", "q.dtype: got Double", "cache_batch_idx: got value 5"]:
+        assert w in msg, f"{w!r} missing from:\n{msg}"
+    assert (k_cache == 0).all() and (v_cache == 0).all()
+
+
 def test_check_only_mode_runs_nothing_and_is_per_call():
     """The ops' check-only mode (used for the lists above) raises even for valid arguments, writes nothing,
     and is off again after the call that used it."""
