@@ -13,14 +13,14 @@ block's k/v, and the results are that block's dk/dv and its share of dq (the sha
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers the ops' fake kernels)
 from .errors import raises_argument_error
-from .interface import _window_size_error, maybe_contiguous
+from .interface import _op_reasons, _refusal, _window_size_error, maybe_contiguous
 
 __all__ = ["flash_attn_backward", "flash_attn_varlen_backward"]
 
@@ -31,7 +31,8 @@ def _prepare(dout, q, k, v, out, softmax_scale, window_size, rank: int):
     """Default scale, window check, a contiguous last dimension (as flash_attn's backward makes them), and
     zero-padding of the head dim to a multiple of 8 (zeros change no dot product, and their gradients are
     dropped).  Inputs the op will reject pass through otherwise untouched so that its error names what the
-    caller gave.  Returns ``(dout, q, k, v, out, scale, head_dim, padded)``."""
+    caller gave.  Returns ``(dout, q, k, v, out)`` as the op takes them, the same before padding, the scale,
+    the head dim and the padded head dim."""
     error = _window_size_error(window_size)
     if error:
         raise ValueError(f"flash_ext: {error}")
@@ -39,45 +40,35 @@ def _prepare(dout, q, k, v, out, softmax_scale, window_size, rank: int):
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
     padded = head_dim if head_dim % 8 == 0 or head_dim > 256 else head_dim + 8 - head_dim % 8
-    tensors = tuple(maybe_contiguous(t) for t in (dout, q, k, v, out))
+    unpadded = tuple(maybe_contiguous(t) for t in (dout, q, k, v, out))
+    tensors = unpadded
     if padded != head_dim and all(t.dim() == rank and t.shape[-1] == head_dim for t in tensors):
         tensors = tuple(F.pad(t, [0, padded - head_dim]) for t in tensors)
-    return (*tensors, float(softmax_scale), head_dim, padded)
+    else:
+        padded = head_dim
+    return tensors, unpadded, float(softmax_scale), head_dim, padded
 
 
-def _given_buffer_errors(q, k, v, dq, dk, dv, head_dim: int) -> List[str]:
-    """What the op would say of the caller's buffers, for when it writes padded stand-ins instead (the head dim
-    not a multiple of 8): each must match its input before padding, and none may overlap itself or another."""
-    errors = []
-    given = [(name, g, like) for name, g, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)) if g is not None]
-    for name, g, like in given:
-        shape = (*like.shape[:-1], head_dim)
-        if tuple(g.shape) != shape or g.dtype != like.dtype or g.device != like.device:
-            errors.append(f"{name}: got {g.dtype} {tuple(g.shape)} on {g.device}; must match {shape} {like.dtype} on "
-                          f"{like.device}")
-        if torch._debug_has_internal_overlap(g) == 1:
-            errors.append(f"{name}: strides {g.stride()} with elements that share memory; is written: must not "
-                          "overlap itself (e.g. not an expand()ed tensor)")
-    for i, (name, g, _) in enumerate(given):
-        for other, h, _ in given[i + 1:]:
-            if g.numel() and g.data_ptr() == h.data_ptr() and g.stride() == h.stride():
-                errors.append(f"{name}/{other}: the same memory; are both written: must not overlap each other")
-    return errors
+def _check_unpadded(op, op_name: str, unpadded, softmax_lse, given, *rest) -> None:
+    """With a padded head dim the op writes padded stand-ins, not the caller's buffers: the caller's tensors
+    and buffers (fresh ones where none is given) go through the op's own checks first, in check-only mode
+    (which takes any head dim), so the rules and the messages are those of an unpadded call."""
+    dout, q, k, v, out = unpadded
+    bufs = [g if g is not None else torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            for g, like in zip(given, (q, k, v))]
+    errors = _op_reasons(op, dout, q, k, v, out, softmax_lse, *bufs, *rest)
+    if errors:
+        raise _refusal(op_name, errors)
 
 
-def _buffers(q, k, v, dq, dk, dv, head_dim: int, padded: int):
+def _buffers(q, k, v, given, head_dim: int, padded: int):
     """Buffers the op writes: the caller's, or fresh ones; padded stand-ins when the head dim was padded (the
-    caller's are then checked here, before anything runs, and written by _results)."""
-    if padded != head_dim:
-        errors = _given_buffer_errors(q, k, v, dq, dk, dv, head_dim)
-        if errors:
-            raise ValueError("flash_ext: " + "; ".join(errors))
-
-    def one(given, like):
-        if given is not None and padded == head_dim:
-            return given
+    caller's then checked by _check_unpadded and written by _results)."""
+    def one(g, like):
+        if g is not None and padded == head_dim:
+            return g
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    return one(dq, q), one(dk, k), one(dv, v)
+    return tuple(one(g, like) for g, like in zip(given, (q, k, v)))
 
 
 def _results(written: Grads, given, head_dim: int, padded: int) -> Grads:
@@ -124,11 +115,14 @@ def flash_attn_backward(
     the backward regenerates the forward's dropout mask (same ``dropout_p`` as the forward).
     """
     given = (dq, dk, dv)
-    dout, q, k, v, out, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale, window_size, rank=4)
-    written = _buffers(q, k, v, dq, dk, dv, head_dim, padded)
-    torch.ops.flash_ext.bwd(dout, q, k, v, out, softmax_lse, *written, float(dropout_p), scale, bool(causal),
-                            int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-                            bool(deterministic), rng_state)
+    (dout, q, k, v, out), unpadded, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale,
+                                                                      window_size, rank=4)
+    options = (float(dropout_p), scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+               alibi_slopes, bool(deterministic), rng_state)
+    if padded != head_dim:
+        _check_unpadded(torch.ops.flash_ext.bwd, "flash_ext.bwd", unpadded, softmax_lse, given, *options)
+    written = _buffers(q, k, v, given, head_dim, padded)
+    torch.ops.flash_ext.bwd(dout, q, k, v, out, softmax_lse, *written, *options)
     return _results(written, given, head_dim, padded)
 
 
@@ -166,10 +160,14 @@ def flash_attn_varlen_backward(
     dk/dv.  Buffers and determinism as in ``flash_attn_backward``.
     """
     given = (dq, dk, dv)
-    dout, q, k, v, out, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale, window_size, rank=3)
-    written = _buffers(q, k, v, dq, dk, dv, head_dim, padded)
-    torch.ops.flash_ext.varlen_bwd(dout, q, k, v, out, softmax_lse, *written, cu_seqlens_q, cu_seqlens_k,
-                                   int(max_seqlen_q), int(max_seqlen_k), float(dropout_p), scale, bool(causal),
-                                   int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-                                   bool(deterministic), rng_state, seqused_k)
+    (dout, q, k, v, out), unpadded, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale,
+                                                                      window_size, rank=3)
+    options = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p), scale,
+               bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
+               bool(deterministic), rng_state, seqused_k)
+    if padded != head_dim:
+        _check_unpadded(torch.ops.flash_ext.varlen_bwd, "flash_ext.varlen_bwd", unpadded, softmax_lse, given,
+                        *options)
+    written = _buffers(q, k, v, given, head_dim, padded)
+    torch.ops.flash_ext.varlen_bwd(dout, q, k, v, out, softmax_lse, *written, *options)
     return _results(written, given, head_dim, padded)

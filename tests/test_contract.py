@@ -407,6 +407,14 @@ def test_kvcache_append_into_overlapping_caches_is_refused() -> None:
     kc = torch.randn(2, 16, 2, 64)
     with pytest.raises(ValueError, match="k_cache/v_cache: got tensors sharing memory"):
         flash_ext.flash_attn_with_kvcache(q, kc, kc, kn, kn, cache_seqlens=3)
+    # one packed KV-cache slice passed as both caches: not dense, so torch cannot tell; refused all the same
+    kv = torch.zeros(2, 16, 2, 2, 64)
+    with pytest.raises(ValueError, match="k_cache/v_cache: got tensors sharing memory"):
+        flash_ext.flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 0], kn, kn, cache_seqlens=3)
+    assert (kv == 0).all()
+    # the two slices of a packed KV cache do not share an element: appended to like separate caches
+    out = flash_ext.flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], kn, 2 * kn, cache_seqlens=3)
+    assert torch.equal(kv[:, 3:4, 0], kn) and torch.equal(kv[:, 3:4, 1], 2 * kn) and torch.isfinite(out).all()
     # without an append, shared or repeated entries are only read: allowed
     out = flash_ext.flash_attn_with_kvcache(q, shared, shared, cache_seqlens=3,
                                             cache_batch_idx=torch.tensor([0, 0], dtype=torch.int32))
@@ -606,22 +614,34 @@ def test_empty_inputs_with_a_strided_last_dimension() -> None:
         assert out.shape == qq.shape and (out == 0).all()
 
 
-def test_bwd_refuses_gradient_buffers_that_overlap() -> None:
-    """dk and dv as one tensor, an expand()ed dk, dq aliasing q: a wrong gradient with no error.  Slices of one
-    packed buffer (flash_attn's qkv-packed backward passes dqkv[:, :, i]) do not overlap and stay accepted."""
+@pytest.mark.parametrize("d", [64, 60])  # 60: the padded path, which must apply the same rules
+def test_bwd_refuses_gradient_buffers_that_overlap(d: int) -> None:
+    """dk and dv as one tensor, an expand()ed dk, dq aliasing q: a wrong gradient with no error; also through
+    views that are not dense (torch's overlap test answers "too hard" for them, which was taken as "no"): one
+    packed slice passed twice, two views 8 elements apart, dq a fresh view of the packed q it reads.  Slices of
+    one packed buffer (flash_attn's qkv-packed backward passes dqkv[:, :, i]) do not overlap and stay
+    accepted.  Nothing is written by a refused call."""
     torch.manual_seed(7)
-    q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
+    qkv = torch.randn(1, 16, 3, 2, d)
+    q, k, v = qkv.unbind(2)
     out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
     dout = torch.randn_like(out)
     g = lambda: torch.empty_like(q)  # noqa: E731
     one = g()
+    packed = torch.zeros(1, 16, 2, 2, d)
+    shifted = torch.zeros(1, 16, 2, d + 8)
     bad = [((g(), one, one), "dk/dv: got tensors sharing memory"),
-           ((g(), torch.empty(1, 1, 2, 64).expand(1, 16, 2, 64), g()), "dk: got strides"),
-           ((q, g(), g()), "dq/q: got tensors sharing memory")]
+           ((g(), torch.empty(1, 1, 2, d).expand(1, 16, 2, d), g()), "dk: got strides"),
+           ((q, g(), g()), "dq/q: got tensors sharing memory"),
+           ((g(), packed[:, :, 0], packed[:, :, 0]), "dk/dv: got tensors sharing memory"),
+           ((g(), shifted[..., :d], shifted[..., 8:]), "dk/dv: got tensors sharing memory"),
+           ((qkv[:, :, 0], g(), g()), "dq/q: got tensors sharing memory")]
+    before = qkv.clone()
     for (dq, dk, dv), needle in bad:
         with pytest.raises(ValueError, match=needle):
             flash_ext.flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv)
-    dqkv = torch.empty(1, 16, 3, 2, 64)
+    assert torch.equal(qkv, before) and (packed == 0).all() and (shifted == 0).all()
+    dqkv = torch.empty(1, 16, 3, 2, d)
     grads = flash_ext.flash_attn_backward(dout, q, k, v, out, lse, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2])
     ref = flash_ext.flash_attn_backward(dout, q, k, v, out, lse)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
@@ -629,17 +649,33 @@ def test_bwd_refuses_gradient_buffers_that_overlap() -> None:
 
 
 def test_backward_checks_caller_buffers_before_writing_when_the_head_dim_is_padded() -> None:
-    """At a head dim that is not a multiple of 8 the op writes padded stand-ins and the caller's buffers were
-    only checked by the copy after it: dq written, then an error not naming dk; a dq of another dtype cast."""
+    """At a head dim that is not a multiple of 8 the op writes padded stand-ins, so the caller's tensors and
+    buffers go through the op's own checks first: the same rules and messages as an unpadded head dim (dq
+    written then an error not naming dk, a dq of another dtype cast, a strided dq or dq aliasing q taken, the
+    other errors left out, padded shapes in messages: all seen before), nothing written on a refusal."""
     torch.manual_seed(8)
     q, k, v = (torch.randn(1, 16, 2, 60) for _ in range(3))
     out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
+    dout = torch.randn_like(out)
     dq = torch.zeros_like(q)
-    with pytest.raises(ValueError, match=r"dk: got torch.float32 \(1, 15, 2, 60\)"):
-        flash_ext.flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, dq, torch.empty(1, 15, 2, 60))
+    with pytest.raises(ValueError) as refused:
+        flash_ext.flash_attn_backward(dout, q, k, v, out.half(), lse.double(), dq, torch.empty(1, 15, 2, 60),
+                                      softmax_scale=-1.0)
+    msg = str(refused.value)
+    for w in ["dk: got Float [1, 15, 2, 60]", "out: got Half [1, 16, 2, 60]", "softmax_lse: got Double",
+              "softmax_scale: got -1"]:
+        assert w in msg, f"{w!r} missing from:\n{msg}"
     assert (dq == 0).all()
-    with pytest.raises(ValueError, match="dq: got torch.float16"):
-        flash_ext.flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, dq.half())
+    with pytest.raises(ValueError, match="dq: got Half"):
+        flash_ext.flash_attn_backward(dout, q, k, v, out, lse, dq.half())
+    with pytest.raises(ValueError, match=r"dq.stride\(-1\): got 2"):
+        flash_ext.flash_attn_backward(dout, q, k, v, out, lse, torch.zeros(1, 16, 2, 120)[..., ::2])
+    with pytest.raises(ValueError, match="dq/q: got tensors sharing memory"):
+        flash_ext.flash_attn_backward(dout, q, k, v, out, lse, q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    with pytest.raises(ValueError, match="dq: got None"):  # the op itself, as flash_attn's callers may call it
+        torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, None, dk, dv, 0.0, 0.125, False, -1, -1, 0.0, None, False)
+    assert (dk == 0).all() and (dv == 0).all()
 
 
 def test_index_value_errors_name_the_value() -> None:

@@ -33,6 +33,13 @@ void check_bwd_tensors(ArgChecker& c, at::Tensor const& dout, at::Tensor const& 
                        at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse, at::Tensor const& dq,
                        at::Tensor const& dk, at::Tensor const& dv, std::vector<int64_t> const& lse_shape) {
   auto like = [&](at::Tensor const& t, char const* name, at::Tensor const& ref, char const* ref_name, bool written) {
+    if (!t.defined() || !ref.defined()) {  // None where a tensor belongs (flash_attn's op allocates missing dq/dk/dv)
+      FLASH_EXT_REQUIRE(c, t.defined(), name, "None",
+                written ? "must be a tensor: the op writes the gradient into it (flash_ext.flash_attn_backward "
+                          "allocates missing buffers)"
+                        : "must be a tensor");
+      return;
+    }
     bool const same = t.sizes() == ref.sizes() && t.scalar_type() == ref.scalar_type() && t.device() == ref.device();
     FLASH_EXT_REQUIRE(c, same, name, str(t.scalar_type()) + " " + str(t.sizes()) + " on " + str(t.device()),
               std::string("must match ") + ref_name + " (" + str(ref.scalar_type()) + " " + str(ref.sizes()) + " on " +

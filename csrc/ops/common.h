@@ -110,9 +110,10 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
                    double softcap, std::optional<at::Tensor> const& alibi_slopes, int64_t num_splits);
 
 // Tensors an op writes must not share elements with one another, with themselves (an expand()ed tensor) or
-// with what it reads: the result would depend on the order of the writes.  Decided where torch decides it
-// cheaply (dense tensors, the same tensor twice, stride-0 dimensions); strided views that may interleave
-// without sharing an element, such as the slices of one packed dqkv, pass (flash_attn checks none of it).
+// with what it reads: the result would depend on the order of the writes.  Dense tensors as torch decides it;
+// strided views of one layout (the slices of one packed dqkv or KV cache, which interleave without sharing an
+// element) exactly, from their offsets; other interleaved views sharing a byte range are refused as not
+// provably disjoint (flash_attn checks none of it).
 void check_no_overlap(ArgChecker& c, std::vector<std::pair<at::Tensor const*, char const*>> const& written,
                       std::vector<std::pair<at::Tensor const*, char const*>> const& read);
 
