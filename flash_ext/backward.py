@@ -54,6 +54,15 @@ def _check_unpadded(op, op_name: str, unpadded, softmax_lse, given, *rest) -> No
     and buffers (fresh ones where none is given) go through the op's own checks first, in check-only mode
     (which takes any head dim), so the rules and the messages are those of an unpadded call."""
     dout, q, k, v, out = unpadded
+    if torch.compiler.is_compiling():
+        # check-only mode is a host-side switch a traced graph cannot hold: the op checks the padded call in
+        # the graph, and here only what would otherwise pass silently (copy_ casts and broadcasts)
+        errors = [f"{name}: got {g.dtype} {tuple(g.shape)}; must match {like.dtype} {tuple(like.shape)}"
+                  for name, g, like in zip(("dq", "dk", "dv"), given, (q, k, v))
+                  if g is not None and (g.shape != like.shape or g.dtype != like.dtype)]
+        if errors:
+            raise _refusal(op_name, errors)
+        return
     bufs = [g if g is not None else torch.empty(like.shape, dtype=like.dtype, device=like.device)
             for g, like in zip(given, (q, k, v))]
     errors = _op_reasons(op, dout, q, k, v, out, softmax_lse, *bufs, *rest)
