@@ -278,10 +278,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_poison_outputs", &ops::set_poison_outputs,
         "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
         py::arg("enable"));
-  m.def("set_check_only", &ops::set_check_only,
-        "Check-only mode for this thread: ops check their arguments, run nothing and always raise the ValueError "
-        "listing what they found (possibly nothing); returns the previous setting.",
-        py::arg("enable"));
+  m.def(
+      "check_only",
+      [](py::function const& fn, py::args const& args, py::kwargs const& kwargs) {
+        // The mode is on exactly for this call, restored however it ends: set and reset from Python as two calls,
+        // a torch.compile'd caller that refused in between (a graph break, the reset in a resumed frame never
+        // run) left it on, and every later call on the thread was refused.
+        struct Restore {
+          bool previous;
+          ~Restore() { ops::set_check_only(previous); }
+        } const restore{ops::set_check_only(true)};
+        return fn(*args, **kwargs);
+      },
+      "fn(*args, **kwargs) with the ops in check-only mode on this thread (they check their arguments, run nothing and "
+      "always raise the ValueError listing what they found, possibly nothing); the mode is restored afterwards.",
+      py::arg("fn"));
   m.def("set_emulate", &ops::set_emulate,
         "The warp emulator's mode for CPU fp16/bf16 calls: 'sm80' or '' (off); returns the previous one.",
         py::arg("mode"));

@@ -65,18 +65,15 @@ _OP_REFUSAL = re.compile(r"^\S+: \d+ invalid arguments?:")
 
 def _op_reasons(op, *args) -> List[str]:
     """The unmet requirements ``op(*args)`` would report, found in the op's check-only mode (it checks and runs
-    nothing; ``_C.set_check_only``).  An error other than the op's list (arguments too malformed to check) is
+    nothing; ``_C.check_only``).  An error other than the op's list (arguments too malformed to check) is
     returned whole."""
-    previous = _C.set_check_only(True)
     try:
-        op(*args)
+        _C.check_only(op, *args)  # one host call: the mode cannot outlive it, compiled caller or not
     except (TypeError, ValueError, RuntimeError) as e:
         text = str(e)
         if isinstance(e, ValueError) and _OP_REFUSAL.match(text):
             return [line[4:] for line in text.splitlines() if line.startswith("  - ")]
         return [text]
-    finally:
-        _C.set_check_only(previous)
     return []
 
 

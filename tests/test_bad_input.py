@@ -203,24 +203,37 @@ def test_kvcache_python_type_errors_listed_with_the_op_rules():
     assert (k_cache == 0).all() and (v_cache == 0).all()
 
 
-def test_check_only_mode_runs_nothing_and_is_per_call():
-    """The ops' check-only mode (used for the lists above) raises even for valid arguments, writes nothing,
-    and is off again after the call that used it."""
+def test_check_only_mode_runs_nothing_and_ends_with_the_call():
+    """The ops' check-only mode (used for the lists above) raises even for valid arguments and writes nothing;
+    it is on for the one call through _C.check_only only, also when that call raises."""
     from flash_ext import _C
 
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     cache = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
     new = torch.ones(1, 2, 2, 64, dtype=torch.bfloat16)
     seqlens = torch.tensor([3], dtype=torch.int32)
-    previous = _C.set_check_only(True)
-    try:
-        with pytest.raises(ValueError, match=r"flash_ext.kvcache_fwd: 0 invalid argument"):
-            flash_ext.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=seqlens)
-    finally:
-        _C.set_check_only(previous)
-    assert not previous and (cache == 0).all(), "check-only must append nothing"
+    with pytest.raises(ValueError, match=r"flash_ext.kvcache_fwd: 0 invalid argument"):
+        _C.check_only(flash_ext.flash_attn_with_kvcache, q, cache, cache.clone(), new, new, cache_seqlens=seqlens)
+    assert (cache == 0).all(), "check-only must append nothing"
     out = flash_ext.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=seqlens)
     assert torch.isfinite(out).all() and (cache[0, 3:5] == 1).all()
+
+
+def test_refusal_in_compiled_code_leaves_later_calls_alone():
+    """A Python-side refusal inside torch.compile (a graph break between switching the check-only mode on and
+    off) left the mode on: every later call on the thread was refused with an empty list."""
+    q = torch.randn(1, 1, 2, 64)
+    kc, vc = torch.randn(1, 16, 2, 64), torch.randn(1, 16, 2, 64)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    bad = [lambda: flash_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, window_size=(1, 2, 3)),
+           lambda: flash_ext.flash_attn_varlen_func(q[0].repeat(4, 1, 1), kc[0, :4], vc[0, :4], cu, cu, 4, 4,
+                                                    window_size=(1,))]
+    for fn in bad:
+        torch._dynamo.reset()
+        with pytest.raises(Exception):
+            torch.compile(fn)()
+        out = flash_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3)
+        assert torch.isfinite(out).all()
 
 
 def test_valid_after_error():

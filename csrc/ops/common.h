@@ -164,6 +164,7 @@ bool poison_outputs();
 // ArgChecker::raise_if_any's ValueError (with the list it found, perhaps empty).  The Python layer uses it to
 // list the op's own unmet requirements beside the Python-side ones when a call breaks both (varlen's
 // dropout_p given as a tensor and a bad q dtype): one error with everything.  Returns the previous setting.
+// Python reaches it only through _C.check_only(fn, *args), which restores it however fn ends.
 bool set_check_only(bool enable);
 
 // What would run for these params: backend, tile, the flags the kernel is specialised on, variant, shared
