@@ -9,6 +9,7 @@ import re
 from typing import List, Optional, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from . import _C, _ops  # noqa: F401  (_ops registers fake kernels and autograd)
@@ -112,10 +113,25 @@ def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
 _below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 
 
+def refuse_forward_ad(name: str, tensors: Tuple) -> None:
+    """Forward-mode AD (``torch.func.jvp``/``jacfwd``, ``torch.autograd.forward_ad``) has no formula here, and
+    the ops' autograd drops a tangent without a word (zeros for jacfwd): refused by name where an input
+    carries one.  One global read when no dual level is open."""
+    if fwAD._current_level < 0:
+        return
+    if any(isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(
+            f"{name}: forward-mode AD (torch.func.jvp / jacfwd, torch.autograd.forward_ad) is not implemented: an "
+            f"input carries a tangent, and it would be dropped; differentiate in reverse mode (.backward(), "
+            f"torch.autograd.grad)")
+
+
 def _call_forward_op(op, grad_inputs: Tuple, *args):
     """``op(*args)`` for a forward op with an autograd formula (``fwd``, ``varlen_fwd``): through autograd when
     grad mode is on and one of ``grad_inputs`` (the differentiable tensors, as passed to the op) requires grad,
-    else directly below it, with the same result (outputs that do not require grad)."""
+    else directly below it, with the same result (outputs that do not require grad).  Forward-mode AD is
+    refused (refuse_forward_ad)."""
+    refuse_forward_ad(f"flash_ext.{op.__name__}", grad_inputs)
     if (_below_autograd is None or torch.compiler.is_compiling()
             or (torch.is_grad_enabled()
                 and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grad_inputs))):

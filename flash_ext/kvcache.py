@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .interface import _op_reasons, _python_arg_errors, _refusal, maybe_contiguous
+from .interface import _op_reasons, _python_arg_errors, _refusal, maybe_contiguous, refuse_forward_ad
 from .errors import raises_argument_error
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
@@ -174,6 +174,7 @@ def flash_attn_with_kvcache(
     (``torch.ops.flash_ext.kvcache_fwd``, mutation declared), so a decode step compiles into one graph under
     ``torch.compile``.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
     """
+    refuse_forward_ad("flash_ext.flash_attn_with_kvcache", (q, k_cache, v_cache, k, v))
     errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size, softmax_scale)
     if errors:
         errors += _op_errors_beside(errors, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,

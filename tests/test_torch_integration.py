@@ -297,3 +297,27 @@ def test_opcheck_varlen_paged(device):
     table = torch.tensor([[4], [0], [2]], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.flash_ext.varlen_fwd.default,
                           (q, pages, pages.clone(), cu_q, cu_k, used, max_q, max_k, *rest, 0, table))
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """The ops' autograd has no forward-mode formula and dropped a tangent silently (jacfwd all zeros, a None
+    tangent): refused by name where an input carries a tangent; inputs without one still run in a dual level."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import jacfwd, jvp
+
+    q, k, v = (torch.randn(1, 3, 1, 64) for _ in range(3))
+    f = lambda q_: flash_attn_func(q_, k, v)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        jvp(f, (q,), (torch.randn_like(q),))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        jacfwd(f)(q)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="flash_ext.fwd: forward-mode AD"):
+            flash_attn_func(dual, k, v)
+        with pytest.raises(NotImplementedError, match="flash_ext.varlen_fwd: forward-mode AD"):
+            flash_ext.flash_attn_varlen_func(dual[0], k[0], v[0], cu, cu, 3, 3)
+        with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: forward-mode AD"):
+            flash_ext.flash_attn_with_kvcache(dual, k, v, cache_seqlens=3)
+        assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q.clone(), k, v))  # no tangent: runs
