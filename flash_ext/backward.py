@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers the ops' fake kernels)
 from .errors import raises_argument_error
-from .interface import _op_reasons, _refusal, _window_size_error, maybe_contiguous
+from .interface import _op_reasons, _refusal, _window_size_error, maybe_contiguous, size_arg
 
 __all__ = ["flash_attn_backward", "flash_attn_varlen_backward"]
 
@@ -171,7 +171,7 @@ def flash_attn_varlen_backward(
     given = (dq, dk, dv)
     (dout, q, k, v, out), unpadded, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale,
                                                                       window_size, rank=3)
-    options = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p), scale,
+    options = (cu_seqlens_q, cu_seqlens_k, size_arg(max_seqlen_q), size_arg(max_seqlen_k), float(dropout_p), scale,
                bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
                bool(deterministic), rng_state, seqused_k)
     if padded != head_dim:

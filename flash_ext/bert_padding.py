@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .errors import ArgumentError
+from .interface import size_arg
 
 __all__ = [
     "IndexFirstAxis", "IndexPutFirstAxis", "IndexFirstAxisResidual", "index_first_axis", "index_put_first_axis",
@@ -182,7 +183,7 @@ def unpad_input(
     used = attention_mask.bool()
     selected = used | unused_mask.bool() if unused_mask is not None else used
     indices, cu_seqlens, seqlens = _mask_to_varlen(selected)
-    max_seqlen = int(seqlens.max().item()) if seqlens.numel() > 0 else 0
+    max_seqlen = seqlens.max().item() if seqlens.numel() > 0 else 0  # an int (a SymInt when compiled)
     tokens = rearrange(hidden_states, "b s ... -> (b s) ...")
     return (IndexFirstAxis.apply(tokens, indices), indices, cu_seqlens, max_seqlen,
             used.sum(dim=-1, dtype=torch.int32))
@@ -213,7 +214,7 @@ def unpad_input_for_concatenated_sequences(
     flat_lengths = lengths.flatten()
     seqlens = flat_lengths[flat_lengths != 0]
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    max_seqlen = int(seqlens.max().item()) if seqlens.numel() > 0 else 0
+    max_seqlen = seqlens.max().item() if seqlens.numel() > 0 else 0  # an int (a SymInt when compiled)
     tokens = rearrange(hidden_states, "b s ... -> (b s) ...")
     return IndexFirstAxis.apply(tokens, indices), indices, cu_seqlens, max_seqlen
 
@@ -228,5 +229,6 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         errors.append(f"hidden_states/indices: got {hidden_states.shape[0]} rows for {indices.shape[0]} indices; "
                       "must match")
     _raise("pad_input", errors)
-    output = IndexPutFirstAxis.apply(hidden_states, indices, int(batch) * int(seqlen))
-    return rearrange(output, "(b s) ... -> b s ...", b=int(batch))
+    batch, seqlen = size_arg(batch), size_arg(seqlen)
+    output = IndexPutFirstAxis.apply(hidden_states, indices, batch * seqlen)
+    return rearrange(output, "(b s) ... -> b s ...", b=batch)

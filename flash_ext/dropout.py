@@ -29,8 +29,10 @@ def dropout_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: 
     True when query row ``i`` of head ``h`` keeps key ``j`` in batch entry ``b``; for varlen batches ``b``
     is the sequence index and ``i``, ``j`` count from the start of the sequence.
     """
-    return torch.ops.flash_ext.dropout_mask(rng_state, float(dropout_p), int(batch), int(nheads), int(seqlen_q),
-                                            int(seqlen_k))
+    from .interface import size_arg  # interface imports this module
+
+    return torch.ops.flash_ext.dropout_mask(rng_state, float(dropout_p), size_arg(batch), size_arg(nheads),
+                                            size_arg(seqlen_q), size_arg(seqlen_k))
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,

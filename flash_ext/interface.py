@@ -140,6 +140,12 @@ def _call_forward_op(op, grad_inputs: Tuple, *args):
         return op(*args)
 
 
+def size_arg(x) -> Union[int, torch.SymInt]:
+    """A size the ops take as SymInt (max_seqlen_q/k, the mask's dims): kept symbolic under torch.compile, where
+    int() would specialise the graph on its value (a recompile per batch maximum), else a Python int."""
+    return x if isinstance(x, (int, torch.SymInt)) else int(x)
+
+
 def maybe_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``t`` with a contiguous last dimension (a copy only when it is strided), as flash_attn makes its inputs
     before the kernel call; None and 0-d tensors pass through for the op's checks to name."""
@@ -328,7 +334,7 @@ def flash_attn_varlen_func(
         try:
             q_, k_, v_, scale, _ = _prepare_qkv(q, k, v, scale, rank=3, kv_rank=4 if block_table is not None else 3)
             errors += _op_reasons(torch.ops.flash_ext.varlen_fwd, q_, k_, v_, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                  int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), int(window[0]),
+                                  size_arg(max_seqlen_q), size_arg(max_seqlen_k), scale, bool(causal), int(window[0]),
                                   int(window[1]), float(softcap), alibi_slopes, int(num_splits), block_table, float(p),
                                   None, bool(deterministic))
         except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to check: theirs is the error
@@ -338,7 +344,7 @@ def flash_attn_varlen_func(
                                                     kv_rank=4 if block_table is not None else 3)
     out, lse, rng_state = _call_forward_op(
         torch.ops.flash_ext.varlen_fwd, (q, k, v, alibi_slopes), q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-        int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+        size_arg(max_seqlen_q), size_arg(max_seqlen_k), softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
         float(softcap), alibi_slopes, int(num_splits), block_table, float(dropout_p), None, bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
@@ -346,8 +352,8 @@ def flash_attn_varlen_func(
         return out
     probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
     if dropout_p > 0:
-        probs = s_dmask_varlen(q, k, lse, rng_state, float(dropout_p), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                               int(max_seqlen_k), softmax_scale, bool(causal),
+        probs = s_dmask_varlen(q, k, lse, rng_state, float(dropout_p), cu_seqlens_q, cu_seqlens_k,
+                               size_arg(max_seqlen_q), size_arg(max_seqlen_k), softmax_scale, bool(causal),
                                (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes, seqused_k,
                                block_table)
     return out, lse, probs

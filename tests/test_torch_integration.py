@@ -321,3 +321,39 @@ def test_forward_mode_ad_is_refused_not_dropped():
         with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: forward-mode AD"):
             flash_ext.flash_attn_with_kvcache(dual, k, v, cache_seqlens=3)
         assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q.clone(), k, v))  # no tangent: runs
+
+
+def test_compile_varlen_max_seqlen_stays_symbolic():
+    """max_seqlen_q/k are SymInts in the ops' schemas: with dynamic=True a new batch maximum reuses the graph
+    (as int, every value recompiled, and fullgraph hit the recompile limit at the 9th); and the padding workflow
+    unpad_input -> flash_attn_varlen_func -> pad_input compiles with fullgraph=True, unpad_input's max_seqlen
+    (a .item()) included."""
+    from torch._dynamo.testing import CompileCounter
+
+    from flash_ext.bert_padding import pad_input, unpad_input
+
+    def f(q, cu, max_seqlen):
+        return flash_ext.flash_attn_varlen_func(q, q, q, cu, cu, max_seqlen, max_seqlen, causal=True)
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    for n in range(3, 13):  # two sequences, the second one growing: a new max_seqlen every step
+        q = torch.randn(3 + n, 2, 64)
+        cu = torch.tensor([0, 3, 3 + n], dtype=torch.int32)
+        assert torch.equal(compiled(q, cu, n), f(q, cu, n))
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for 10 maxima"
+
+    b, s = 2, 12
+    x = torch.randn(b, s, 2, 64)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 7:] = False
+
+    def padded(x, mask):
+        xu, idx, cu, mx, _ = unpad_input(x, mask)
+        return pad_input(flash_ext.flash_attn_varlen_func(xu, xu, xu, cu, cu, mx, mx, causal=True), idx, b, s)
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(padded, backend="aot_eager", fullgraph=True)(x, mask)
+    assert torch.equal(got, padded(x, mask))

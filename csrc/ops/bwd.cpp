@@ -346,7 +346,8 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
       "Tensor? dsoftmax_lse=None) -> Tensor softmax_d");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a!) dq, "
-      "Tensor(b!) dk, Tensor(c!) dv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "Tensor(b!) dk, Tensor(c!) dv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, "
       "float dropout_p, float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
       "Tensor? alibi_slopes, bool deterministic, Tensor? rng_state=None, Tensor? seqused_k=None, "
       "Tensor? dsoftmax_lse=None) -> Tensor softmax_d");

@@ -527,7 +527,9 @@ bool reachable(std::vector<std::pair<int64_t, int64_t>> const& dims, size_t coun
 // layout (the slices of a packed dqkv or KV cache) are decided exactly; other interleaved layouts count as
 // sharing (not provably disjoint).
 bool may_share(at::Tensor const& a, at::Tensor const& b) {
-  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) { return false; }
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) {
+    return false;
+  }
   at::MemOverlapStatus const status = at::get_overlap_status(a, b);
   if (status != at::MemOverlapStatus::TooHard) {
     return status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;

@@ -149,7 +149,8 @@ at::Tensor dropout_mask(at::Tensor const& rng_state, double dropout_p, int64_t b
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
-  m.def("dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int seqlen_q, int seqlen_k) -> Tensor");
+  m.def("dropout_mask(Tensor rng_state, float dropout_p, SymInt batch, SymInt heads, SymInt seqlen_q, "
+        "SymInt seqlen_k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CPU, m) { m.impl("dropout_mask", &dropout_mask); }

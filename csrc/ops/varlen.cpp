@@ -141,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
-      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, Tensor? alibi_slopes, int num_splits=0, Tensor? block_table=None, float dropout_p=0.0, "
       "Tensor? rng_state=None, bool deterministic=False) -> (Tensor out, Tensor softmax_lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
