@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .. import bert_padding
-from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..interface import flash_attn_func, flash_attn_varlen_func, size_arg
 
 __all__ = ["DEFAULT_NAME", "SUPPORTED_VERSIONS", "BidirectionalWindow", "PackedSequences", "attention_forward",
            "mask_interface", "register"]
@@ -291,7 +291,7 @@ def _key_mask(parts: Dict[str, Any], pattern: Dict[str, Any], batch_size: int, q
         begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
         total = torch.tensor([ids.numel()], device=begin.device, dtype=begin.dtype)
         cu_seqlens = torch.cat([begin, total]).to(torch.int32)
-        return PackedSequences(cu_seqlens, int(ids.shape[1]), int(batch_size), int(ids.shape[1]))
+        return PackedSequences(cu_seqlens, size_arg(ids.shape[1]), size_arg(batch_size), size_arg(ids.shape[1]))
 
     end = kv_offset + kv_length
     if pattern["causal"]:
@@ -433,7 +433,7 @@ def attention_forward(
         out = _padded(q, k, v, mask, common)
     elif all(x is not None for x in varlen_kwargs):
         cu_q, cu_k, max_q, max_k = varlen_kwargs
-        out = _varlen_flat(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), common)
+        out = _varlen_flat(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), size_arg(max_q), size_arg(max_k), common)
     else:
         out = flash_attn_func(q, k, v, **common)
     if out.shape[-1] != v_dim:
