@@ -279,6 +279,22 @@ PYBIND11_MODULE(_C, m) {
         "Test mode: fill outputs and split partials with NaN before every kernel; returns the previous setting.",
         py::arg("enable"));
   m.def(
+      "plan_only",
+      [](py::function const& fn, py::args const& args, py::kwargs const& kwargs) -> py::object {
+        struct Restore {
+          bool previous;
+          ~Restore() { ops::set_plan_only(previous); }
+        } const restore{ops::set_plan_only(true)};
+        fn(*args, **kwargs);
+        auto const& plan = ops::recorded_plan();
+        if (!plan.has_value()) { return py::none(); }
+        return plan_to_dict(*plan);
+      },
+      "fn(*args, **kwargs) with the forward ops in plan-only mode on this thread: they check their arguments and "
+      "record the plan of their launch instead of launching (no write, no generator draw); returns that plan as "
+      "plan_fwd does, or None when fn launched nothing (an empty problem).  Errors propagate.",
+      py::arg("fn"));
+  m.def(
       "check_only",
       [](py::function const& fn, py::args const& args, py::kwargs const& kwargs) {
         // The mode is on exactly for this call, restored however it ends: set and reset from Python as two calls,

@@ -11,7 +11,7 @@ from . import _C, _ops  # noqa: F401
 from .backward import flash_attn_backward, flash_attn_varlen_backward
 from .emulate import emulate, emulator_report
 from .errors import ArgumentError
-from .explain import Explanation, explain
+from .explain import Explanation, explain, explain_call
 from .kvcache import flash_attn_with_kvcache
 from .interface import (
     flash_attn_func,
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info",
-    "compiled_kernels", "explain", "Explanation", "emulate", "emulator_report", "flash_attn_backward",
+    "compiled_kernels", "explain", "explain_call", "Explanation", "emulate", "emulator_report", "flash_attn_backward",
     "flash_attn_varlen_backward", "ArgumentError",
 ]
 

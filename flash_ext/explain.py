@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+import re
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -10,13 +11,13 @@ from . import _C, _ops  # noqa: F401
 from .interface import _prepare_qkv, _python_arg_errors, _stand_ins
 from .roofline import Roofline, gpu_spec, predict_plan
 
-__all__ = ["explain", "Explanation"]
+__all__ = ["explain", "explain_call", "Explanation"]
 
 
 @dataclasses.dataclass
 class Explanation:
-    """The plan for one ``flash_attn_func`` call (see ``explain``).  ``ok`` is False when nothing can run;
-    ``reasons`` then lists every unmet requirement."""
+    """The plan for one call (see ``explain`` and ``explain_call``).  ``ok`` is False when nothing can run;
+    ``reasons`` then lists every unmet requirement.  An empty ``plan`` with ``ok``: nothing to compute."""
 
     ok: bool
     reasons: list
@@ -29,11 +30,17 @@ class Explanation:
     def __str__(self) -> str:
         if not self.ok:
             return "flash_ext: this call cannot run:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+        if not self.plan:
+            return "flash_ext: nothing to compute (an empty problem): no kernel would run"
         p = self.plan
         flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in p["flags"].items())
+        kp = p.get("kernel_problem", {})
         lines = [
             f"device      {p['device']}",
             f"backend     {p['backend']}",
+            *([f"problem     batch {kp['b']}, {kp['h']} query heads on {kp['h_k']} K/V heads, seqlen_q {kp['seqlen_q']}, "
+               f"seqlen_k {kp['seqlen_k']} as the kernel sees it"
+               + (" (varlen: per-sequence lengths up to these)" if p.get("varlen") else "")] if kp else []),
             *([f"cpu isa     {p['cpu_isa']} (micro-kernels chosen at run time; FLASH_EXT_CPU_ISA forces a level)"]
               if p.get("cpu_isa") else []),
             f"head dim    {p['head_dim']} -> tile {p['head_dim_tile']}"
@@ -90,7 +97,8 @@ def explain(
     (tile M/N, threads), the flag values the kernel is specialised on
     and the compiled variant chosen, shared memory, grid, number of KV splits, and estimated HBM traffic vs
     naive attention.  If the call cannot run, ``ok`` is False and ``reasons`` lists every reason.  Prints
-    the explanation unless ``verbose=False``.  Set ``FLASH_EXT_LOG=1`` to log the plan of every call.
+    the explanation unless ``verbose=False``.  Set ``FLASH_EXT_LOG=1`` to log the plan of every call;
+    ``explain_call`` explains varlen, KV-cache and packed calls.
 
     ``gpu`` ("A100", "H100", "H200") adds the static roofline of ``flash_ext.roofline`` for the plan on that
     GPU: the limiting resource (tensor cores, shared memory, HBM, waves/occupancy) and the predicted time.
@@ -107,6 +115,12 @@ def explain(
                                        int(window_size[1]), float(softcap), alibi_slopes, int(num_splits),
                                        float(dropout_p))
     reasons += plan.get("reasons", [])
+    return _explanation(plan, reasons, q, gpu, int(num_splits), verbose)
+
+
+def _explanation(plan: dict, reasons: list, q: torch.Tensor, gpu: Optional[str], num_splits: int,
+                 verbose: bool) -> Explanation:
+    """The Explanation of a plan (with the roofline on a named GPU, or on q's own when it is a known one)."""
     ok = plan.get("ok", False) and not reasons
     roofline = None
     if gpu is not None:
@@ -121,7 +135,7 @@ def explain(
     note = ""
     if ok and spec is not None:
         if q.dtype in (torch.float16, torch.bfloat16):
-            roofline = predict_plan(plan, spec, requested_splits=int(num_splits))
+            roofline = predict_plan(plan, spec, requested_splits=num_splits)
         else:
             note = f"the GPU kernels take float16/bfloat16, not {q.dtype}"
     result = Explanation(ok=ok, reasons=reasons, plan=plan, hbm_bytes=plan.get("hbm_bytes", 0),
@@ -129,3 +143,41 @@ def explain(
     if verbose:
         print(result)
     return result
+
+
+_REFUSAL_LINE = re.compile(r"^  - ", re.MULTILINE)
+
+
+def explain_call(fn: Callable[..., Any], *args: Any, gpu: Optional[str] = None, verbose: bool = True,
+                 **kwargs: Any) -> Explanation:
+    """Describe what ``fn(*args, **kwargs)`` would run, for any flash_ext forward function —
+    ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache`` (decode included) and the packed
+    variants — without running it.
+
+    The call goes through its real path (Python checks, the op's checks and index values, the decisions of the
+    dispatcher: padding, the decode query-group swap, KV splits) with the ops in plan-only mode
+    (``_C.plan_only``): the launch records its plan instead of running a kernel, a KV cache is not appended to,
+    and no random generator is drawn.  Returns the Explanation of the last launch (``ok`` False with every
+    reason when the call is refused; a call with nothing to compute, such as an empty batch, reports
+    ``ok`` with an empty plan).  ``gpu`` as in ``explain``; for varlen the roofline models every sequence at
+    the maximum length.
+    """
+    q = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if q is None:
+        raise TypeError("explain_call: no tensor among the arguments")
+    try:
+        with torch.no_grad():
+            plan = _C.plan_only(fn, *args, **kwargs)
+    except (ValueError, RuntimeError) as e:
+        text = str(e)
+        lines = [line[4:] for line in text.splitlines() if _REFUSAL_LINE.match(line)]
+        result = Explanation(ok=False, reasons=lines or [text], plan={})
+        if verbose:
+            print(result)
+        return result
+    if plan is None:
+        result = Explanation(ok=True, reasons=[], plan={})
+        if verbose:
+            print(result)
+        return result
+    return _explanation(plan, [], q, gpu, int(kwargs.get("num_splits", 0) or 0), verbose)

@@ -79,3 +79,56 @@ def test_explain_refuses_what_the_python_layer_refuses() -> None:
         assert not e.ok and any(r.startswith(needle) for r in e.reasons), (kwargs, e.reasons)
     e = flash_ext.explain(q.double(), q, q, window_size=None, verbose=False)  # the op's reasons are listed too
     assert not e.ok and any("window_size" in r for r in e.reasons) and any("q.dtype" in r for r in e.reasons)
+
+
+def test_explain_call_is_the_plan_the_launch_would_run() -> None:
+    """explain_call runs the call's real path with the ops in plan-only mode: for flash_attn_func its plan is
+    the one explain() derives from plan_fwd (two paths to one make_plan), and the call afterwards runs."""
+    q, k, v = (torch.randn(2, 77, 4, 40, dtype=torch.bfloat16) for _ in range(3))
+    for kw in (dict(causal=True), dict(window_size=(9, 3), softcap=5.0), dict(num_splits=3)):
+        via_call = flash_ext.explain_call(flash_ext.flash_attn_func, q, k, v, verbose=False, **kw)
+        via_plan = flash_ext.explain(q, k, v, verbose=False, **kw)
+        assert via_call.ok and via_call.plan == via_plan.plan, kw
+    assert flash_ext.flash_attn_func(q, k, v).isfinite().all()  # the mode ended with explain_call
+
+
+def test_explain_call_kvcache_decode_writes_nothing() -> None:
+    """A decode step with new keys: the plan of the attention (a group of 4 query heads as 4 rows of its K/V
+    head, the cache split over KV), with the cache left as it was (the append is skipped in plan-only mode)."""
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    k_cache, v_cache = torch.zeros(2, 4096, 2, 128, dtype=torch.bfloat16), torch.zeros(2, 4096, 2, 128,
+                                                                                         dtype=torch.bfloat16)
+    new = torch.ones(2, 1, 2, 128, dtype=torch.bfloat16)
+    seqlens = torch.tensor([100, 4000], dtype=torch.int32)
+    e = flash_ext.explain_call(flash_ext.flash_attn_with_kvcache, q, k_cache, v_cache, new, new,
+                               cache_seqlens=seqlens, verbose=False)
+    assert e.ok, e.reasons
+    kp = e.plan["kernel_problem"]
+    assert (kp["b"], kp["h"], kp["h_k"], kp["seqlen_q"], kp["seqlen_k"]) == (2, 2, 2, 4, 4096), kp
+    assert (k_cache == 0).all() and (v_cache == 0).all() and seqlens.tolist() == [100, 4000]
+    assert "problem     batch 2, 2 query heads on 2 K/V heads, seqlen_q 4" in str(e)
+
+
+def test_explain_call_varlen_dropout_draws_nothing_and_refusals_list_everything() -> None:
+    cu = torch.tensor([0, 100, 350], dtype=torch.int32)
+    x = torch.randn(350, 4, 64, dtype=torch.float16)
+    state = torch.random.get_rng_state()
+    e = flash_ext.explain_call(flash_ext.flash_attn_varlen_func, x, x, x, cu, cu, 250, 250, dropout_p=0.1,
+                               causal=True, verbose=False)
+    assert e.ok and e.plan["varlen"] and e.plan["flags"]["dropout"] and e.plan["flags"]["causal"]
+    assert torch.equal(torch.random.get_rng_state(), state), "plan-only mode must not draw from the generator"
+    bad = flash_ext.explain_call(flash_ext.flash_attn_varlen_func, x.double(), x, x, cu, cu, 200, 250,
+                                 verbose=False)
+    assert not bad.ok and any("q.dtype" in r for r in bad.reasons) and any("max_seqlen_q" in r for r in bad.reasons)
+    empty = flash_ext.explain_call(flash_ext.flash_attn_func, x[:0][None], x[None], x[None], verbose=False)
+    assert empty.ok and empty.plan == {} and "nothing to compute" in str(empty)
+
+
+def test_backward_refuses_plan_only_mode() -> None:
+    """The backward has no plan-only path: in that mode it refuses rather than write its buffers."""
+    q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
+    out, lse, _ = flash_ext.flash_attn_func(q, k, v, return_attn_probs=True)
+    dq = torch.zeros_like(q)
+    e = flash_ext.explain_call(flash_ext.flash_attn_backward, torch.ones_like(out), q, k, v, out, lse, dq,
+                               verbose=False)
+    assert not e.ok and "explain_call covers the forward functions" in e.reasons[0] and (dq == 0).all()

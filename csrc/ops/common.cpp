@@ -274,9 +274,18 @@ DeviceInfo call_device(at::Tensor const& q) {
 
 namespace {
 thread_local bool t_check_only = false;
+thread_local bool t_plan_only = false;
+thread_local std::optional<Plan> t_recorded_plan;
 }  // namespace
 
 bool set_check_only(bool enable) { return std::exchange(t_check_only, enable); }
+
+bool set_plan_only(bool enable) {
+  if (enable) { t_recorded_plan.reset(); }
+  return std::exchange(t_plan_only, enable);
+}
+bool plan_only() { return t_plan_only; }
+std::optional<Plan> const& recorded_plan() { return t_recorded_plan; }
 
 void ArgChecker::raise_if_any() const {
   if (errors_.empty() && !t_check_only) { return; }
@@ -761,6 +770,10 @@ void launch(FwdParams const& params, KernelInputs const& in, at::Tensor const& o
     return e != nullptr && std::string(e) == "1";
   }();
   if (log) { std::fprintf(stderr, "[flash_ext] %s %s\n", op, plan_to_json(make_plan(params, q)).c_str()); }
+  if (t_plan_only) {  // explain_call: the plan this launch would run, and no launch
+    t_recorded_plan = make_plan(params, q);
+    return;
+  }
   bool const emu = emulated(q);
   if (q.is_cuda() || emu) {
     // grid.h folds (batch, head, split) over grid.y and grid.z: at most 65,535^2 of them per query-row block.

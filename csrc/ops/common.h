@@ -190,6 +190,16 @@ struct Plan {
 Plan make_plan(FwdParams const& p, at::Tensor const& q);
 std::string plan_to_json(Plan const& plan);
 
+// Plan-only mode, per thread: a forward op checks its arguments and prepares its launch as usual, then records
+// the plan (make_plan) instead of launching.  Nothing of the caller's is written (kvcache_fwd skips its append)
+// and no generator is drawn (set_dropout); the backward ops refuse to run in it.  Python reaches it only
+// through _C.plan_only(fn, *args, **kwargs), which returns the plan recorded and restores the mode: what
+// flash_ext.explain_call reports for any public forward function.
+bool set_plan_only(bool enable);
+bool plan_only();
+// The plan the last launch recorded in plan-only mode on this thread (reset by set_plan_only(true)).
+std::optional<Plan> const& recorded_plan();
+
 // Runs the kernel for params on q's device (CPU backend, CUDA, or the warp emulator), logging the plan with
 // FLASH_EXT_LOG=1.  `in`, `out` and the split accumulators are the tensors the kernel may touch (the
 // emulator checks every global access against them).

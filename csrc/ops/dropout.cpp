@@ -72,6 +72,7 @@ DropoutState set_dropout(FwdParams& p, at::Tensor const& q, double dropout_p,
   DropoutState st{at::empty({2}, opts), {}};
   if (poison_outputs()) { st.out.fill_(std::numeric_limits<int64_t>::min()); }  // the kernel must write it
   p.rng_state_out = st.out.data_ptr<int64_t>();
+  if (plan_only()) { return st; }  // no launch follows: the generator stays where it is
   if (rng_state.has_value()) {
     st.in = rng_state->contiguous();
     p.rng_seed_ptr = st.in.data_ptr<int64_t>();

@@ -267,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   }
   c.raise_if_any();
 
-  if (k.has_value()) {
+  if (k.has_value() && !plan_only()) {  // plan-only (explain_call): the plan of the attention, no append
     // New rows that are a view of a cache would be read while the append writes that cache: copied first,
     // so the call appends the values they had when it was made.
     auto unaliased = [&](at::Tensor const& t) {
