@@ -92,26 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; must be an integer >= 1") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"got {n}; must be >= 1")
-    return n
+def _int_at_least(low: int):
+    """argparse type of a count: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; must be an integer >= {low}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"got {n}; must be >= {low}")
+        return n
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    """argparse type of a count that may be 0: an integer >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; must be an integer >= 0") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"got {n}; must be >= 0")
-    return n
+_positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 
 
 def _dropout_p(text: str) -> float:
