@@ -294,6 +294,9 @@ PYBIND11_MODULE(_C, m) {
       "record the plan of their launch instead of launching (no write, no generator draw); returns that plan as "
       "plan_fwd does, or None when fn launched nothing (an empty problem).  Errors propagate.",
       py::arg("fn"));
+  m.def("in_plan_only", &ops::plan_only,
+        "Whether this thread is in plan-only mode (inside _C.plan_only): the Python layer then skips work done "
+        "after the kernel on its outputs (return_attn_probs' S_dmask), which would read outputs never written.");
   m.def(
       "check_only",
       [](py::function const& fn, py::args const& args, py::kwargs const& kwargs) {

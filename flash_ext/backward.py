@@ -50,16 +50,21 @@ def _prepare(dout, q, k, v, out, softmax_scale, window_size, rank: int):
 
 
 def _check_unpadded(op, op_name: str, unpadded, softmax_lse, given, *rest) -> None:
-    """With a padded head dim the op writes padded stand-ins, not the caller's buffers: the caller's tensors
-    and buffers (fresh ones where none is given) go through the op's own checks first, in check-only mode
-    (which takes any head dim), so the rules and the messages are those of an unpadded call."""
+    """With a padded head dim the op writes padded stand-ins, not the caller's buffers: when the caller gives
+    buffers, they and the caller's tensors (fresh stand-ins for buffers not given) go through the op's own
+    checks first, in check-only mode (which takes any head dim), so the rules and the messages are those of an
+    unpadded call.  Without buffers the op's checks of the padded call are the checks (no second pass)."""
     dout, q, k, v, out = unpadded
     if torch.compiler.is_compiling():
         # check-only mode is a host-side switch a traced graph cannot hold: the op checks the padded call in
-        # the graph, and here only what would otherwise pass silently (copy_ casts and broadcasts)
-        errors = [f"{name}: got {g.dtype} {tuple(g.shape)}; must match {like.dtype} {tuple(like.shape)}"
-                  for name, g, like in zip(("dq", "dk", "dv"), given, (q, k, v))
-                  if g is not None and (g.shape != like.shape or g.dtype != like.dtype)]
+        # the graph, and here only what the final copies would pass silently (a cast, a broadcast, another
+        # device, one buffer given twice)
+        named = [(name, g, like) for name, g, like in zip(("dq", "dk", "dv"), given, (q, k, v)) if g is not None]
+        errors = [f"{name}: got {g.dtype} {tuple(g.shape)} on {g.device}; must match {like.dtype} "
+                  f"{tuple(like.shape)} on {like.device}" for name, g, like in named
+                  if g.shape != like.shape or g.dtype != like.dtype or g.device != like.device]
+        errors += [f"{a}/{b}: got one tensor twice; are both written: must not overlap each other"
+                   for i, (a, ga, _) in enumerate(named) for b, gb, _ in named[i + 1:] if ga is gb]
         if errors:
             raise _refusal(op_name, errors)
         return
@@ -128,7 +133,7 @@ def flash_attn_backward(
                                                                       window_size, rank=4)
     options = (float(dropout_p), scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
                alibi_slopes, bool(deterministic), rng_state)
-    if padded != head_dim:
+    if padded != head_dim and any(g is not None for g in given):
         _check_unpadded(torch.ops.flash_ext.bwd, "flash_ext.bwd", unpadded, softmax_lse, given, *options)
     written = _buffers(q, k, v, given, head_dim, padded)
     torch.ops.flash_ext.bwd(dout, q, k, v, out, softmax_lse, *written, *options)
@@ -174,7 +179,7 @@ def flash_attn_varlen_backward(
     options = (cu_seqlens_q, cu_seqlens_k, size_arg(max_seqlen_q), size_arg(max_seqlen_k), float(dropout_p), scale,
                bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
                bool(deterministic), rng_state, seqused_k)
-    if padded != head_dim:
+    if padded != head_dim and any(g is not None for g in given):
         _check_unpadded(torch.ops.flash_ext.varlen_bwd, "flash_ext.varlen_bwd", unpadded, softmax_lse, given,
                         *options)
     written = _buffers(q, k, v, given, head_dim, padded)

@@ -31,7 +31,7 @@ class Explanation:
         if not self.ok:
             return "flash_ext: this call cannot run:\n" + "\n".join(f"  - {r}" for r in self.reasons)
         if not self.plan:
-            return "flash_ext: nothing to compute (an empty problem): no kernel would run"
+            return "flash_ext: no kernel would run (nothing to compute, or a function that calls no flash_ext op)"
         p = self.plan
         flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in p["flags"].items())
         kp = p.get("kernel_problem", {})
@@ -158,8 +158,8 @@ def explain_call(fn: Callable[..., Any], *args: Any, gpu: Optional[str] = None, 
     dispatcher: padding, the decode query-group swap, KV splits) with the ops in plan-only mode
     (``_C.plan_only``): the launch records its plan instead of running a kernel, a KV cache is not appended to,
     and no random generator is drawn.  Returns the Explanation of the last launch (``ok`` False with every
-    reason when the call is refused; a call with nothing to compute, such as an empty batch, reports
-    ``ok`` with an empty plan).  ``gpu`` as in ``explain``; for varlen the roofline models every sequence at
+    reason when the call is refused; a call that launches nothing, such as an empty batch, reports ``ok``
+    with an empty plan).  ``gpu`` as in ``explain``; for varlen the roofline models every sequence at
     the maximum length.
     """
     q = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)

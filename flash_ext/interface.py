@@ -70,7 +70,7 @@ def _op_reasons(op, *args) -> List[str]:
     returned whole."""
     try:
         _C.check_only(op, *args)  # one host call: the mode cannot outlive it, compiled caller or not
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError) as e:  # a RuntimeError (a device fault, out of memory) is no argument's fault
         text = str(e)
         if isinstance(e, ValueError) and _OP_REFUSAL.match(text):
             return [line[4:] for line in text.splitlines() if line.startswith("  - ")]
@@ -239,7 +239,7 @@ def flash_attn_func(
     if not return_attn_probs:
         return out
     probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
-    if dropout_p > 0:
+    if dropout_p > 0 and not _C.in_plan_only():  # explain_call: no kernel wrote lse/rng_state
         probs = s_dmask(q, k, lse, rng_state, float(dropout_p), softmax_scale, bool(causal),
                         (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes)
     return out, lse, probs
@@ -351,7 +351,7 @@ def flash_attn_varlen_func(
     if not return_attn_probs:
         return out
     probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
-    if dropout_p > 0:
+    if dropout_p > 0 and not _C.in_plan_only():  # explain_call: no kernel wrote lse/rng_state
         probs = s_dmask_varlen(q, k, lse, rng_state, float(dropout_p), cu_seqlens_q, cu_seqlens_k,
                                size_arg(max_seqlen_q), size_arg(max_seqlen_k), softmax_scale, bool(causal),
                                (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes, seqused_k,

@@ -97,9 +97,13 @@ def _op_errors_beside(errors: List[str], q, k_cache, v_cache, k, v, cache_seqlen
             0 if new_kv is not None else capacity)
         seqlens = torch.full((b,), n, dtype=torch.int32, device=q.device)
     scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
-    return _op_reasons(torch.ops.flash_ext.kvcache_fwd, maybe_contiguous(q), k_cache, v_cache,
-                       *(new_kv if new_kv is not None else (None, None)), seqlens, cache_batch_idx, cache_leftpad,
-                       block_table, scale, bool(causal), -1, -1, float(softcap), alibi_slopes, int(num_splits), -1, 0)
+    args = (maybe_contiguous(q), k_cache, v_cache, *(new_kv if new_kv is not None else (None, None)), seqlens,
+            cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), -1, -1, float(softcap), alibi_slopes,
+            int(num_splits), -1, 0)
+    if new_kv is not None and _inference_cache_outside_inference_mode(k_cache, v_cache):
+        with torch.inference_mode():  # as the call itself would run (below): no false inference-tensor reason
+            return _op_reasons(torch.ops.flash_ext.kvcache_fwd, *args)
+    return _op_reasons(torch.ops.flash_ext.kvcache_fwd, *args)
 
 
 def _inference_cache_outside_inference_mode(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -174,7 +178,8 @@ def flash_attn_with_kvcache(
     (``torch.ops.flash_ext.kvcache_fwd``, mutation declared), so a decode step compiles into one graph under
     ``torch.compile``.  Returns ``out``, or ``(out, softmax_lse (b, nheads, seqlen_q))``.
     """
-    refuse_forward_ad("flash_ext.flash_attn_with_kvcache", (q, k_cache, v_cache, k, v))
+    refuse_forward_ad("flash_ext.flash_attn_with_kvcache", (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                                           alibi_slopes))
     errors = _argument_errors(q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, window_size, softmax_scale)
     if errors:
         errors += _op_errors_beside(errors, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -203,6 +203,19 @@ def test_kvcache_python_type_errors_listed_with_the_op_rules():
     assert (k_cache == 0).all() and (v_cache == 0).all()
 
 
+def test_kvcache_refusal_of_inference_caches_lists_no_false_reason():
+    """Caches made under torch.inference_mode() are appended to in inference mode by the function; the listing
+    of the op's reasons beside a Python-side one runs the same way (it named the caches as inference tensors
+    outside inference mode, telling the caller to do what it did)."""
+    with torch.inference_mode():
+        k_cache, v_cache = torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64)
+    new = torch.ones(1, 1, 2, 64)
+    msg = _error(flash_ext.flash_attn_with_kvcache, torch.randn(1, 1, 2, 64), k_cache, v_cache, new, new,
+                 cache_seqlens=3, window_size=(1,))
+    assert "window_size: got (1,)" in msg and "inference" not in msg, msg
+    assert (k_cache == 0).all()
+
+
 def test_check_only_mode_runs_nothing_and_ends_with_the_call():
     """The ops' check-only mode (used for the lists above) raises even for valid arguments and writes nothing;
     it is on for the one call through _C.check_only only, also when that call raises."""

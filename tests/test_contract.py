@@ -646,6 +646,16 @@ def test_bwd_refuses_gradient_buffers_that_overlap(d: int) -> None:
     ref = flash_ext.flash_attn_backward(dout, q, k, v, out, lse)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
     assert torch.equal(dqkv[:, :, 1], ref[1])
+    # a fused GQA/MQA projection's gradient split into h, h_k, h_k heads: views of other sizes, disjoint
+    for hk in (2, 1):
+        fused = torch.randn(1, 16, 4 + 2 * hk, d)
+        qg, kg, vg = fused.split([4, hk, hk], dim=2)
+        out_g, lse_g, _ = flash_ext.flash_attn_func(qg, kg, vg, return_attn_probs=True)
+        dout_g = torch.randn_like(out_g)
+        dfused = torch.empty_like(fused)
+        grads = flash_ext.flash_attn_backward(dout_g, qg, kg, vg, out_g, lse_g, *dfused.split([4, hk, hk], dim=2))
+        ref = flash_ext.flash_attn_backward(dout_g, qg, kg, vg, out_g, lse_g)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref)), hk
 
 
 def test_backward_checks_caller_buffers_before_writing_when_the_head_dim_is_padded() -> None:

@@ -120,6 +120,19 @@ def test_explain_call_varlen_dropout_draws_nothing_and_refusals_list_everything(
     bad = flash_ext.explain_call(flash_ext.flash_attn_varlen_func, x.double(), x, x, cu, cu, 200, 250,
                                  verbose=False)
     assert not bad.ok and any("q.dtype" in r for r in bad.reasons) and any("max_seqlen_q" in r for r in bad.reasons)
+    # return_attn_probs' S_dmask is built after the kernel from its outputs: skipped, nothing was written
+    import flash_ext.interface as interface
+
+    def no_s_dmask(*args, **kwargs):
+        raise AssertionError("S_dmask computed in plan-only mode")
+
+    real, interface.s_dmask_varlen = interface.s_dmask_varlen, no_s_dmask
+    try:
+        e = flash_ext.explain_call(flash_ext.flash_attn_varlen_func, x, x, x, cu, cu, 250, 250, dropout_p=0.1,
+                                   return_attn_probs=True, verbose=False)
+    finally:
+        interface.s_dmask_varlen = real
+    assert e.ok, e.reasons
     empty = flash_ext.explain_call(flash_ext.flash_attn_func, x[:0][None], x[None], x[None], verbose=False)
     assert empty.ok and empty.plan == {} and "nothing to compute" in str(empty)
 

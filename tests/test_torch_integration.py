@@ -141,6 +141,9 @@ def test_compile_fullgraph_explicit_backward_padded(device):
     assert all(g is b for g, b in zip(grads, bufs)) and all(torch.equal(g, e) for g, e in zip(grads, expected))
     with pytest.raises(Exception, match="dq: got torch.float16"):
         torch.compile(f, fullgraph=True)(bufs[0].half(), bufs[1], bufs[2])
+    if k.shape == v.shape:  # one buffer as dk and dv: the copies would overwrite dk with dv
+        with pytest.raises(Exception, match="dk/dv: got one tensor twice"):
+            torch.compile(f, fullgraph=True)(bufs[0], bufs[1], bufs[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -211,11 +211,11 @@ at::Tensor bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
                double dropout_p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                double softcap, std::optional<at::Tensor> const& alibi_slopes, bool deterministic,
                std::optional<at::Tensor> const& rng_state, std::optional<at::Tensor> const& dsoftmax_lse) {
+  TORCH_CHECK_VALUE(!plan_only(), "flash_ext.bwd: explain_call covers the forward functions; the backward "
+                    "would run (and write its buffers) in plan-only mode");
   // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
   // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
-  TORCH_CHECK_VALUE(!plan_only(), "flash_ext.bwd: explain_call covers the forward functions; the backward "
-                    "would run (and write its buffers) in plan-only mode");
   ArgChecker c("flash_ext.bwd");
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/false);
   check_options(c, q, shapes_ok ? q.size(0) : -1, shapes_ok ? q.size(2) : -1, softmax_scale, softcap, alibi_slopes,
@@ -257,11 +257,11 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
                       std::optional<at::Tensor> const& alibi_slopes, bool deterministic,
                       std::optional<at::Tensor> const& rng_state, std::optional<at::Tensor> const& seqused_k,
                       std::optional<at::Tensor> const& dsoftmax_lse) {
+  TORCH_CHECK_VALUE(!plan_only(), "flash_ext.varlen_bwd: explain_call covers the forward functions; the backward "
+                    "would run (and write its buffers) in plan-only mode");
   // Everything below (the index read, the capture test, dropout's RNG state, allocations) on q's device, not
   // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(q));
-  TORCH_CHECK_VALUE(!plan_only(), "flash_ext.varlen_bwd: explain_call covers the forward functions; the backward "
-                    "would run (and write its buffers) in plan-only mode");
   ArgChecker c("flash_ext.varlen_bwd");
   bool const shapes_ok = check_qkv(c, q, k, v, /*varlen=*/true);
   bool const cu_ok = check_cu_seqlens_pair(c, cu_seqlens_q, cu_seqlens_k, q.device());

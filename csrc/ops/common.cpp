@@ -501,8 +501,7 @@ std::vector<std::pair<int64_t, int64_t>> live_dims(at::Tensor const& t) {
 }
 
 // Each stride exceeds the span of the smaller ones (the layouts of slices, transposes and packed views of a
-// contiguous buffer): then the view's elements are distinct, and an offset between two such views has at most
-// two candidate digits per dimension (reachable).
+// contiguous buffer): then the view's elements are distinct.
 bool nested(std::vector<std::pair<int64_t, int64_t>> const& dims) {
   int64_t span = 0;
   for (auto const& [n, s] : dims) {
@@ -514,27 +513,39 @@ bool nested(std::vector<std::pair<int64_t, int64_t>> const& dims) {
 
 int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
 
-// Whether some element of one view lies `delta` elements from some element of another view with the same
-// dims: delta = sum_k d_k * s_k over the first `count` nested dims, d_k the index differences, |d_k| <= n_k - 1.
-bool reachable(std::vector<std::pair<int64_t, int64_t>> const& dims, size_t count, int64_t delta) {
+// One dimension of two views with the same stride there: their index difference i_a - i_b is in [lo, hi].
+struct DiffDim {
+  int64_t stride, lo, hi;
+};
+
+// Whether some element of view a lies `delta` elements after some element of view b: delta = sum_k d_k * s_k
+// with d_k in [lo_k, hi_k] over the first `count` dims (strides ascending).  Exact: at the largest stride only
+// the d that leave a remainder the smaller dims can reach are tried, at most two for the layouts of slices of
+// one buffer (each stride above the others' reach); more than four (an exotic interleaving) counts as reachable.
+bool reachable(std::vector<DiffDim> const& dims, size_t count, int64_t delta) {
   if (count == 0) { return delta == 0; }
-  auto const [n, s] = dims[count - 1];
-  int64_t span = 0;
-  for (size_t j = 0; j + 1 < count; ++j) { span += (dims[j].first - 1) * dims[j].second; }
-  // |delta - d * s| <= span: at most two d since s > span
-  int64_t const lo = std::max(-(n - 1), -floor_div(span - delta, s));
-  int64_t const hi = std::min(n - 1, floor_div(delta + span, s));
+  DiffDim const& top = dims[count - 1];
+  int64_t low = 0, high = 0;  // what the smaller dims can add
+  for (size_t j = 0; j + 1 < count; ++j) {
+    low += dims[j].lo * dims[j].stride;
+    high += dims[j].hi * dims[j].stride;
+  }
+  // delta - d * s in [low, high]
+  int64_t const lo = std::max(top.lo, -floor_div(high - delta, top.stride));
+  int64_t const hi = std::min(top.hi, floor_div(delta - low, top.stride));
+  if (hi - lo >= 4) { return true; }
   for (int64_t d = lo; d <= hi; ++d) {
-    if (reachable(dims, count - 1, delta - d * s)) { return true; }
+    if (reachable(dims, count - 1, delta - d * top.stride)) { return true; }
   }
   return false;
 }
 
 // Whether a and b may share an element.  torch answers for dense tensors (and the same TensorImpl); for other
 // views it answers "too hard", which is not "no": two objects for one packed slice dkv[:, :, 0], or two views a
-// few elements apart, alias without being dense.  Byte ranges that do not meet cannot share; views of one
-// layout (the slices of a packed dqkv or KV cache) are decided exactly; other interleaved layouts count as
-// sharing (not provably disjoint).
+// few elements apart, alias without being dense.  Byte ranges that do not meet cannot share; views with the
+// same element type and the same stride in every dimension that has more than one element in either (the
+// slices of a packed dqkv or KV cache, a GQA qkv split into h, h_k, h_k heads) are decided exactly; other
+// interleaved layouts count as sharing (not provably disjoint).
 bool may_share(at::Tensor const& a, at::Tensor const& b) {
   if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) {
     return false;
@@ -552,11 +563,17 @@ bool may_share(at::Tensor const& a, at::Tensor const& b) {
   auto const [a_lo, a_hi] = extent(a);
   auto const [b_lo, b_hi] = extent(b);
   if (a_hi <= b_lo || b_hi <= a_lo) { return false; }
-  if (a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides()) {
-    auto const dims = live_dims(a);
-    if (nested(dims)) { return reachable(dims, dims.size(), b.storage_offset() - a.storage_offset()); }
+  if (a.scalar_type() != b.scalar_type() || a.dim() != b.dim()) { return true; }
+  std::vector<DiffDim> dims;
+  for (int64_t k = 0; k < a.dim(); ++k) {
+    if (a.size(k) == 1 && b.size(k) == 1) { continue; }
+    // a size-1 side's stride never multiplies a nonzero index: the other side's stands for both
+    int64_t const stride = a.size(k) == 1 ? b.stride(k) : a.stride(k);
+    if ((a.size(k) > 1 && b.size(k) > 1 && a.stride(k) != b.stride(k)) || stride <= 0) { return true; }
+    dims.push_back({stride, -(b.size(k) - 1), a.size(k) - 1});
   }
-  return true;
+  std::sort(dims.begin(), dims.end(), [](DiffDim const& x, DiffDim const& y) { return x.stride < y.stride; });
+  return reachable(dims, dims.size(), b.storage_offset() - a.storage_offset());
 }
 
 // Whether t's elements are provably distinct (a written tensor must not write one element twice).
