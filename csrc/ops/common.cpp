@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -304,11 +303,15 @@ std::string str(at::ScalarType t) { return std::string(c10::toString(t)); }
 std::string str(at::Device d) { return d.str(); }
 
 std::string str(double x) {
-  // Shortest text that reads back as x: std::to_string's fixed six decimals print 1 - 1e-9 as "1.000000" and
-  // -1e-9 as "-0.000000", naming a value the caller did not pass.
-  std::array<char, 32> buf{};
-  auto const res = std::to_chars(buf.data(), buf.data() + buf.size(), x);
-  return std::string(buf.data(), res.ptr);
+  // The shortest %g text that reads back as x: std::to_string's fixed six decimals print 1 - 1e-9 as
+  // "1.000000" and -1e-9 as "-0.000000", naming a value the caller did not pass.  (snprintf rather than
+  // std::to_chars: libstdc++ has the floating-point overloads only from GCC 11.)
+  std::array<char, 40> buf{};
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf.data(), buf.size(), "%.*g", precision, x);
+    if (!std::isfinite(x) || std::strtod(buf.data(), nullptr) == x) { break; }
+  }
+  return std::string(buf.data());
 }
 
 DType to_dtype(at::ScalarType t) {
