@@ -151,6 +151,19 @@ py::list compiled_kernels() {
   return out;
 }
 
+// A per-thread op mode (check-only, plan-only) switched on for one scope and restored however it ends.
+class ScopedMode {
+ public:
+  explicit ScopedMode(bool (*set)(bool)) : set_(set), previous_(set(true)) {}
+  ~ScopedMode() { set_(previous_); }
+  ScopedMode(ScopedMode const&) = delete;
+  ScopedMode& operator=(ScopedMode const&) = delete;
+
+ private:
+  bool (*set_)(bool);
+  bool previous_;
+};
+
 py::dict plan_to_dict(ops::Plan const& p) {
   py::dict d;
   d["ok"] = p.ok;
@@ -281,10 +294,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "plan_only",
       [](py::function const& fn, py::args const& args, py::kwargs const& kwargs) -> py::object {
-        struct Restore {
-          bool previous;
-          ~Restore() { ops::set_plan_only(previous); }
-        } const restore{ops::set_plan_only(true)};
+        ScopedMode const mode(&ops::set_plan_only);
         fn(*args, **kwargs);
         auto const& plan = ops::recorded_plan();
         if (!plan.has_value()) { return py::none(); }
@@ -303,10 +313,7 @@ PYBIND11_MODULE(_C, m) {
         // The mode is on exactly for this call, restored however it ends: set and reset from Python as two calls,
         // a torch.compile'd caller that refused in between (a graph break, the reset in a resumed frame never
         // run) left it on, and every later call on the thread was refused.
-        struct Restore {
-          bool previous;
-          ~Restore() { ops::set_check_only(previous); }
-        } const restore{ops::set_check_only(true)};
+        ScopedMode const mode(&ops::set_check_only);
         return fn(*args, **kwargs);
       },
       "fn(*args, **kwargs) with the ops in check-only mode on this thread (they check their arguments, run nothing and "

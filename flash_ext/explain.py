@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from . import _C, _ops  # noqa: F401
-from .interface import _prepare_qkv, _python_arg_errors, _stand_ins
+from .interface import _prepare_qkv, _python_arg_errors, _stand_ins, refusal_reasons
 from .roofline import Roofline, gpu_spec, predict_plan
 
 __all__ = ["explain", "explain_call", "Explanation"]
@@ -38,8 +37,8 @@ class Explanation:
         lines = [
             f"device      {p['device']}",
             f"backend     {p['backend']}",
-            *([f"problem     batch {kp['b']}, {kp['h']} query heads on {kp['h_k']} K/V heads, seqlen_q {kp['seqlen_q']}, "
-               f"seqlen_k {kp['seqlen_k']} as the kernel sees it"
+            *([f"problem     batch {kp['b']}, {kp['h']} query heads on {kp['h_k']} K/V heads, "
+               f"seqlen_q {kp['seqlen_q']}, seqlen_k {kp['seqlen_k']} as the kernel sees it"
                + (" (varlen: per-sequence lengths up to these)" if p.get("varlen") else "")] if kp else []),
             *([f"cpu isa     {p['cpu_isa']} (micro-kernels chosen at run time; FLASH_EXT_CPU_ISA forces a level)"]
               if p.get("cpu_isa") else []),
@@ -145,9 +144,6 @@ def _explanation(plan: dict, reasons: list, q: torch.Tensor, gpu: Optional[str],
     return result
 
 
-_REFUSAL_LINE = re.compile(r"^  - ", re.MULTILINE)
-
-
 def explain_call(fn: Callable[..., Any], *args: Any, gpu: Optional[str] = None, verbose: bool = True,
                  **kwargs: Any) -> Explanation:
     """Describe what ``fn(*args, **kwargs)`` would run, for any flash_ext forward function —
@@ -169,9 +165,7 @@ def explain_call(fn: Callable[..., Any], *args: Any, gpu: Optional[str] = None, 
         with torch.no_grad():
             plan = _C.plan_only(fn, *args, **kwargs)
     except (ValueError, RuntimeError) as e:
-        text = str(e)
-        lines = [line[4:] for line in text.splitlines() if _REFUSAL_LINE.match(line)]
-        result = Explanation(ok=False, reasons=lines or [text], plan={})
+        result = Explanation(ok=False, reasons=refusal_reasons(e), plan={})
         if verbose:
             print(result)
         return result

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 import re
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -64,6 +64,14 @@ def _refusal(op_name: str, errors: List[str]) -> ValueError:
 _OP_REFUSAL = re.compile(r"^\S+: \d+ invalid arguments?:")
 
 
+def refusal_reasons(error: BaseException) -> List[str]:
+    """The reasons an error lists when it is a refusal in the ops' format (``_refusal``), else its whole text."""
+    text = str(error)
+    if isinstance(error, ValueError) and _OP_REFUSAL.match(text):
+        return [line[4:] for line in text.splitlines() if line.startswith("  - ")]
+    return [text]
+
+
 def _op_reasons(op, *args) -> List[str]:
     """The unmet requirements ``op(*args)`` would report, found in the op's check-only mode (it checks and runs
     nothing; ``_C.check_only``).  An error other than the op's list (arguments too malformed to check) is
@@ -71,11 +79,18 @@ def _op_reasons(op, *args) -> List[str]:
     try:
         _C.check_only(op, *args)  # one host call: the mode cannot outlive it, compiled caller or not
     except (TypeError, ValueError) as e:  # a RuntimeError (a device fault, out of memory) is no argument's fault
-        text = str(e)
-        if isinstance(e, ValueError) and _OP_REFUSAL.match(text):
-            return [line[4:] for line in text.splitlines() if line.startswith("  - ")]
-        return [text]
+        return refusal_reasons(e)
     return []
+
+
+def _refuse_with_op_reasons(op_name: str, errors: List[str], op_reasons: Callable[[], List[str]]):
+    """Raises the Python-side ``errors`` together with what the op itself refuses (``op_reasons()``, run with
+    neutral stand-ins for the arguments that failed here): one error that lists everything."""
+    try:
+        errors = errors + op_reasons()
+    except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to check: theirs is the error
+        errors = errors + [str(e)]
+    raise _refusal(op_name, errors)
 
 
 def _stand_ins(errors: List[str], dropout_p, window_size, softmax_scale):
@@ -95,14 +110,12 @@ def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     if not errors:
         return
     p, window, softmax_scale = _stand_ins(errors, dropout_p, window_size, softmax_scale)
-    try:
-        q, k, v, scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
-        plan = _C.plan_fwd(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
-                           alibi_slopes, int(num_splits), float(p))
-        errors += plan.get("reasons", [])
-    except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to plan: theirs is the error
-        errors.append(str(e))
-    raise _refusal("flash_ext.fwd", errors)
+
+    def op_reasons() -> List[str]:
+        q_, k_, v_, scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
+        return _C.plan_fwd(q_, k_, v_, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
+                           alibi_slopes, int(num_splits), float(p)).get("reasons", [])
+    _refuse_with_op_reasons("flash_ext.fwd", errors, op_reasons)
 
 
 # Where a call can record no graph, the forward ops are called below the autograd layer.  The autograd kernel
@@ -204,16 +217,16 @@ def flash_attn_func(
     * ``alibi_slopes`` fp32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
     * A query row that sees no key gets output 0 and log-sum-exp ``+inf``.
     * ``dropout_p`` in ``[0, 1 - 2^-17]`` (the mask holds ``1 - p`` to 16 bits; flash_attn 2.8 refuses
-      p >= 1): each softmax probability is dropped with probability ``dropout_p`` and the output is ``(P * mask) @ v / (1 - dropout_p)``; the
-      log-sum-exp is that of the undropped scores.  The mask is a pure function of a seed/offset drawn
+      p >= 1): each softmax probability is dropped with probability ``dropout_p`` and the output is
+      ``(P * mask) @ v / (1 - dropout_p)``; the log-sum-exp is that of the undropped scores.  The mask is a pure function of a seed/offset drawn
       from torch's default generator of q's device (``torch.manual_seed`` repeats it bit for bit,
       consecutive calls differ, CUDA graph replays draw anew) and of the element's (batch, head, row,
       column): the same on the CPU and the GPU, whatever the tiling or ``num_splits`` (docs/design.md,
       "Dropout").  ``dropout_p=0`` gives exactly the result without dropout.
     * Differentiable w.r.t. ``q``, ``k`` and ``v`` (the backward kernels, ``torch.ops.flash_ext.bwd``), through
       ``out`` and through the returned ``softmax_lse`` as well (flash_attn silently drops the latter); not
-      w.r.t. ``alibi_slopes`` (with slopes that require grad the backward raises ``NotImplementedError``).  With dropout the
-      backward regenerates the forward's mask from its ``rng_state``.
+      w.r.t. ``alibi_slopes`` (with slopes that require grad the backward raises ``NotImplementedError``).
+      With dropout the backward regenerates the forward's mask from its ``rng_state``.
       ``deterministic=True`` makes the GPU backward
       accumulate dQ in a fixed order (bitwise identical gradients run to run, a little slower); on the CPU
       the backward is always deterministic, for any thread count.  The forward is always deterministic.
@@ -331,21 +344,21 @@ def flash_attn_varlen_func(
     errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
     if errors:  # the op's own rules too, checked with neutral stand-ins for what failed here
         p, window, scale = _stand_ins(errors, dropout_p, window_size, softmax_scale)
-        try:
-            q_, k_, v_, scale, _ = _prepare_qkv(q, k, v, scale, rank=3, kv_rank=4 if block_table is not None else 3)
-            errors += _op_reasons(torch.ops.flash_ext.varlen_fwd, q_, k_, v_, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                  size_arg(max_seqlen_q), size_arg(max_seqlen_k), scale, bool(causal), int(window[0]),
-                                  int(window[1]), float(softcap), alibi_slopes, int(num_splits), block_table, float(p),
-                                  None, bool(deterministic))
-        except (TypeError, ValueError, RuntimeError) as e:  # arguments too malformed to check: theirs is the error
-            errors.append(str(e))
-        raise _refusal("flash_ext.varlen_fwd", errors)
+
+        def op_reasons() -> List[str]:
+            q_, k_, v_, scale_, _ = _prepare_qkv(q, k, v, scale, rank=3, kv_rank=4 if block_table is not None else 3)
+            return _op_reasons(torch.ops.flash_ext.varlen_fwd, q_, k_, v_, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                               size_arg(max_seqlen_q), size_arg(max_seqlen_k), scale_, bool(causal), int(window[0]),
+                               int(window[1]), float(softcap), alibi_slopes, int(num_splits), block_table, float(p),
+                               None, bool(deterministic))
+        _refuse_with_op_reasons("flash_ext.varlen_fwd", errors, op_reasons)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=3,
                                                     kv_rank=4 if block_table is not None else 3)
     out, lse, rng_state = _call_forward_op(
         torch.ops.flash_ext.varlen_fwd, (q, k, v, alibi_slopes), q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-        size_arg(max_seqlen_q), size_arg(max_seqlen_k), softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-        float(softcap), alibi_slopes, int(num_splits), block_table, float(dropout_p), None, bool(deterministic))
+        size_arg(max_seqlen_q), size_arg(max_seqlen_k), softmax_scale, bool(causal), int(window_size[0]),
+        int(window_size[1]), float(softcap), alibi_slopes, int(num_splits), block_table, float(dropout_p), None,
+        bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:
