@@ -1,7 +1,11 @@
 """Build flash_ext: the torch extension flash_ext._C (CPU backend always, CUDA kernels when possible).
 
 Knobs (environment variables):
-  FLASH_EXT_CUDA_ARCHS      CUDA archs to compile, ";"-separated (default "80;90").
+  FLASH_EXT_CUDA_ARCHS      CUDA archs to compile, ";"-separated, e.g. "80;90" or "90a".  Unset: the archs of
+                            TORCH_CUDA_ARCH_LIST when set (entries below 8.0 dropped, one SASS per major: "8.0 8.6
+                            8.9" compiles sm_80 once, which runs on all three), else those of the GPUs the build
+                            sees (sm_80 for 8.x, sm_90 for 9.0), else "80;90".  Every arch is one more compile of
+                            every CUDA unit: on a machine with its GPU, half the CUDA compile of "80;90".
   FLASH_EXT_HEADDIMS        GPU head dims to instantiate, ","-separated subset of 32,64,96,128,192,256 (default all).
   FLASH_EXT_BWD_HEADDIMS    GPU head dims of the backward kernels, same form (default: FLASH_EXT_HEADDIMS; "none":
                             no CUDA backward, CUDA gradients are then refused by name).  The backward kernels are
@@ -98,11 +102,20 @@ def head_dims_mask(dims: list[int]) -> int:
 
 
 def cuda_archs() -> list[str]:
-    raw = os.environ.get("FLASH_EXT_CUDA_ARCHS", "80;90")
-    archs = [a.strip() for a in raw.replace(",", ";").split(";") if a.strip()]
-    for a in archs:
-        if not a.rstrip("a").isdigit() or int(a.rstrip("a")) < 80:
-            sys.exit(f"flash_ext: FLASH_EXT_CUDA_ARCHS={raw!r}: {a!r} is not an arch >= 80 (e.g. 80;90)")
+    """FLASH_EXT_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST, else the visible GPUs, else "80;90" (scripts/cuda_flags.py)."""
+    mod = load_script("cuda_flags")
+    capabilities: list[tuple[int, int]] = []
+    if not os.environ.get("FLASH_EXT_CUDA_ARCHS", "").strip() and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+        try:
+            if torch.cuda.is_available():
+                capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        except RuntimeError:  # a driver that cannot be initialised: build as if no GPU were there
+            capabilities = []
+    try:
+        archs, source = mod.choose_archs(os.environ, capabilities)
+    except mod.ArchError as e:
+        sys.exit(f"flash_ext: {e}")
+    print(f"flash_ext: CUDA archs {archs} from {source}; each arch is one more compile of every CUDA unit")
     return archs
 
 

@@ -103,9 +103,9 @@ def _stand_ins(errors: List[str], dropout_p, window_size, softmax_scale):
 
 def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                     num_splits) -> None:
-    """flash_attn_func's Python-side type rules, and when one fails, the op's own rules too (its plan, made
-    with neutral stand-ins for the arguments that failed here, runs no kernel): one error lists everything,
-    in the op's format."""
+    """flash_attn_func's Python-side type rules, and when one fails, the op's own rules too (its check-only
+    mode, with neutral stand-ins for the arguments that failed here, as varlen and kvcache do): one error
+    lists everything, in the op's format."""
     errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
     if not errors:
         return
@@ -113,8 +113,8 @@ def _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
 
     def op_reasons() -> List[str]:
         q_, k_, v_, scale, _ = _prepare_qkv(q, k, v, softmax_scale, rank=4)
-        return _C.plan_fwd(q_, k_, v_, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
-                           alibi_slopes, int(num_splits), float(p)).get("reasons", [])
+        return _op_reasons(torch.ops.flash_ext.fwd, q_, k_, v_, scale, bool(causal), int(window[0]),
+                           int(window[1]), float(softcap), alibi_slopes, int(num_splits), float(p))
     _refuse_with_op_reasons("flash_ext.fwd", errors, op_reasons)
 
 

@@ -273,6 +273,37 @@ def test_build_embeds_ptx_of_the_newest_arch() -> None:
     assert 'load_script("cuda_flags").gencode_flags(archs)' in setup_py
 
 
+def test_build_archs_follow_the_users_knobs_then_the_visible_gpus() -> None:
+    """Every arch is one more compile of every CUDA unit.  The build used "80;90" whatever the machine, even
+    with TORCH_CUDA_ARCH_LIST set or one sm_90 GPU present (half its CUDA compile wasted there)."""
+    mod = _cuda_flags_module()
+    choose = mod.choose_archs
+    # NGC containers' list: the pre-Ampere entries dropped, 8.0/8.6/8.7 served by one sm_80 SASS.
+    archs, source = choose({"TORCH_CUDA_ARCH_LIST": "5.2 6.0 6.1 7.0 7.2 7.5 8.0 8.6 8.7 9.0+PTX"}, [])
+    assert archs == ["80", "90"] and "7.5" in source
+    assert choose({"TORCH_CUDA_ARCH_LIST": "8.6"}, [])[0] == ["86"]
+    assert choose({"TORCH_CUDA_ARCH_LIST": "8.9;8.6"}, [])[0] == ["86"]
+    assert choose({"TORCH_CUDA_ARCH_LIST": "9.0a"}, [])[0] == ["90a"]
+    assert choose({"TORCH_CUDA_ARCH_LIST": "8.0,9.0,9.0a"}, [])[0] == ["80", "90", "90a"]
+    assert choose({"TORCH_CUDA_ARCH_LIST": "Ampere;Hopper"}, [])[0] == ["80", "90"]
+    # FLASH_EXT_CUDA_ARCHS first, as written; then TORCH_CUDA_ARCH_LIST; then the GPUs; then the default.
+    env = {"FLASH_EXT_CUDA_ARCHS": "90a", "TORCH_CUDA_ARCH_LIST": "8.0"}
+    assert choose(env, [(8, 0)]) == (["90a"], "FLASH_EXT_CUDA_ARCHS")
+    assert choose({"TORCH_CUDA_ARCH_LIST": "8.0"}, [(9, 0)])[0] == ["80"]
+    assert choose({}, [(9, 0)])[0] == ["90"]
+    assert choose({}, [(8, 6), (8, 9)])[0] == ["80"]
+    assert choose({}, [(9, 0), (8, 0)])[0] == ["80", "90"]
+    assert choose({}, [])[0] == ["80", "90"]
+    assert choose({}, [(10, 0)])[0] == ["80", "90"]  # not a family the rule covers: the default and its PTX
+    for env in ({"TORCH_CUDA_ARCH_LIST": "7.5"}, {"TORCH_CUDA_ARCH_LIST": "sm_80"},
+                {"FLASH_EXT_CUDA_ARCHS": "75;80"}, {"FLASH_EXT_CUDA_ARCHS": "ampere"}):
+        with pytest.raises(mod.ArchError) as e:
+            choose(env, [])
+        assert repr(next(iter(env.values()))) in str(e.value)
+    setup_py = (ROOT / "setup.py").read_text()
+    assert "mod.choose_archs(os.environ, capabilities)" in setup_py
+
+
 def test_C_is_a_pybind_module_and_registers_nothing_twice() -> None:
     """flash_ext._C was an empty CPython module and Python re-derived the plan; now the non-op C++ functions
     are pybind11 functions, the ops stay TORCH_LIBRARY ops, and no name is both."""
