@@ -320,7 +320,8 @@ PYBIND11_MODULE(_C, m) {
       "always raise the ValueError listing what they found, possibly nothing); the mode is restored afterwards.",
       py::arg("fn"));
   m.def("set_emulate", &ops::set_emulate,
-        "The warp emulator's mode for CPU fp16/bf16 calls: 'sm80' or '' (off); returns the previous one.",
+        "The calling thread's warp emulator mode for CPU fp16/bf16 calls: 'sm80' or '' (off); returns the previous "
+        "one.  Every thread starts from FLASH_EXT_EMULATE.",
         py::arg("mode"));
   m.def("_set_emulator_test_fault", &ops::set_emulator_test_fault,
         "Test only: 'narrow:<name>' hides the last 16 bytes of the launch's tensor of that name (q, k, v, out, "
@@ -328,7 +329,8 @@ PYBIND11_MODULE(_C, m) {
         "the kernel's accesses there are findings; '' turns it off; returns the previous one.",
         py::arg("fault"));
   m.def("emulator_report", &ops::emulator_last_report,
-        "The report of the latest emulated launch as JSON: findings per check, what ran, the first findings.");
+        "The report of this thread's latest emulated launch as JSON: findings per check, what ran, the first "
+        "findings.");
   m.def("launch_geometry", &launch_geometry,
         "grid.h as a pure function: forward and combine grids, and the decode of (x, y, z) blocks.",
         py::arg("m_blocks"), py::arg("batch"), py::arg("heads"), py::arg("num_splits"), py::arg("seqlen_q"),

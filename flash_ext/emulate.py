@@ -20,10 +20,11 @@ __all__ = ["emulate", "emulator_report"]
 
 @contextlib.contextmanager
 def emulate(arch: str = "sm80") -> Iterator[None]:
-    """Inside the block, every CPU fp16/bf16 call of every op (fwd, varlen, kvcache incl. paged, split-KV)
-    runs on the emulated ``arch`` (only ``"sm80"``).  The environment variable ``FLASH_EXT_EMULATE=sm80``
-    sets the same switch for a whole process.  Raises ``ValueError`` if the build has no emulator.
-    fp32 calls keep running on the host backend (the GPU kernels take fp16/bf16 only)."""
+    """Inside the block, every CPU fp16/bf16 call of every op (fwd, varlen, kvcache incl. paged, split-KV,
+    backward) made by this thread runs on the emulated ``arch`` (only ``"sm80"``); other threads keep their
+    own mode.  The environment variable ``FLASH_EXT_EMULATE=sm80`` is every thread's starting mode (set it
+    before importing flash_ext).  Raises ``ValueError`` if the build has no emulator.  fp32 calls keep
+    running on the host backend (the GPU kernels take fp16/bf16 only)."""
     previous = _C.set_emulate(arch)
     try:
         yield
@@ -32,7 +33,7 @@ def emulate(arch: str = "sm80") -> Iterator[None]:
 
 
 def emulator_report() -> dict:
-    """The report of the latest emulated launch: ``findings`` (total), ``counts`` per check, ``stats``
+    """The report of this thread's latest emulated launch: ``findings`` (total), ``counts`` per check, ``stats``
     (CTAs, threads, barriers, ldmatrix/mma/shfl/cp.async executed, shared-memory wavefronts, ...) and the
     first ``messages``.  ``{}`` before the first emulated call."""
     return json.loads(_C.emulator_report())

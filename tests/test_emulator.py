@@ -319,6 +319,47 @@ def test_emulate_switch_and_explain() -> None:
             pass
 
 
+def test_emulate_is_per_thread() -> None:
+    """One process-wide mode moved other threads' calls onto the emulator while a block was open, and two
+    threads' overlapping blocks (A enters, B enters, A leaves, B leaves) left it on for good."""
+    import threading
+    d = min(flash_ext.build_info()["emulator_head_dims"][0], max(flash_ext.build_info()["host_head_dims"]))
+    q, k, v = make_qkv(1, 20, 20, 1, 1, d, torch.bfloat16)
+    emulated = lambda: flash_ext.explain(q, k, v, verbose=False).plan["emulated"]  # noqa: E731
+    report_before = flash_ext.emulator_report()
+    seen: dict[str, bool] = {}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        with flash_ext.emulate():
+            a_in.set()
+            seen["a inside"] = emulated()
+            b_in.wait()
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait()
+        with flash_ext.emulate():
+            b_in.set()
+            a_out.wait()
+            seen["b inside after a left"] = emulated()
+            out = flash_ext.flash_attn_func(q, k, v)
+            seen["b's report is its own"] = flash_ext.emulator_report()["stats"]["ctas"] >= 1
+        seen["b after"] = emulated()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    a_in.wait()
+    seen["main meanwhile"] = emulated()
+    for t in threads:
+        t.join(timeout=300)
+    assert seen == {"a inside": True, "main meanwhile": False, "b inside after a left": True,
+                    "b's report is its own": True, "b after": False}
+    assert not emulated()
+    assert flash_ext.emulator_report() == report_before, "b's launch is not this thread's report"
+
+
 def test_unbuilt_head_dim_is_refused_by_name() -> None:
     built = flash_ext.build_info()["emulator_head_dims"]
     if 256 in built:
@@ -336,12 +377,14 @@ def test_environment_variable_turns_it_on(tmp_path) -> None:
     import subprocess
     import sys
     d = flash_ext.build_info()["emulator_head_dims"][0]
-    code = ("import torch, flash_ext; q = torch.randn(1, 5, 1, %d, dtype=torch.float16); "
-            "flash_ext.flash_attn_func(q, q, q); print(flash_ext.emulator_report()['stats']['ctas'])" % d)
+    code = ("import threading, torch, flash_ext; q = torch.randn(1, 5, 1, %d, dtype=torch.float16); "
+            "flash_ext.flash_attn_func(q, q, q); print(flash_ext.emulator_report()['stats']['ctas']); "
+            "t = threading.Thread(target=lambda: print(flash_ext.explain(q, q, q, verbose=False).plan['emulated'])); "
+            "t.start(); t.join()" % d)
     env = dict(os.environ, FLASH_EXT_EMULATE="sm80")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout.strip()) == 1
+    assert r.stdout.split() == ["1", "True"], "every thread starts from FLASH_EXT_EMULATE"
 
 
 # ---------------------------------------------------------------------------------------------------------

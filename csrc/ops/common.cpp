@@ -139,10 +139,15 @@ std::string emulate_from_env() {
   char const* e = std::getenv("FLASH_EXT_EMULATE");
   return e == nullptr ? std::string() : std::string(e);
 }
-std::mutex g_emulate_mutex;
-std::string g_emulate = emulate_from_env();  // guarded by g_emulate_mutex
-std::string g_emulator_report = "{}";       // guarded by g_emulate_mutex
-std::string g_emulator_test_fault;          // guarded by g_emulate_mutex; see set_emulator_test_fault
+// The emulate mode is per thread, as the check-only and plan-only modes are: FLASH_EXT_EMULATE is every
+// thread's starting mode, flash_ext.emulate() changes its own thread's only.  One process-wide mode let a
+// block in one thread move every other thread's calls onto the emulator, and two threads' overlapping blocks
+// (A enters, B enters, A leaves, B leaves) left it on for good: B restored the mode A had set.  The report and
+// the test fault are per thread for the same reason (a thread's report is its own latest launch's).
+std::string const g_emulate_env = emulate_from_env();
+thread_local std::string t_emulate = g_emulate_env;
+thread_local std::string t_emulator_report = "{}";
+thread_local std::string t_emulator_test_fault;  // see set_emulator_test_fault
 
 #if defined(FLASH_EXT_WITH_EMULATOR)
 // Bytes [data_ptr, data_ptr + extent) a kernel may touch for a tensor view.
@@ -167,11 +172,7 @@ void launch_emulated(FwdParams const& params, KernelInputs const& in, at::Tensor
     run.globals.push_back(range_of(std::get<1>(accum), true, "split partial LSE"));
   }
   emu::add_param_ranges(run, params, /*backward=*/false);  // LSE, index arrays, ALiBi, RNG state
-  std::string fault;
-  {
-    std::lock_guard<std::mutex> lock(g_emulate_mutex);
-    fault = g_emulator_test_fault;
-  }
+  std::string const fault = t_emulator_test_fault;
   if (!fault.empty()) {  // test only: the kernel's last 16 bytes (or fewer) of one tensor are off limits
     bool named = false;
     std::string names;
@@ -189,10 +190,7 @@ void launch_emulated(FwdParams const& params, KernelInputs const& in, at::Tensor
     at::parallel_for(begin, end, /*grain_size=*/1, body);
   };
   std::string const err = emu::run_fwd_emu(params, to_dtype(in.q.scalar_type()), run);
-  {
-    std::lock_guard<std::mutex> lock(g_emulate_mutex);
-    g_emulator_report = run.report.json();
-  }
+  t_emulator_report = run.report.json();
   TORCH_CHECK(err.empty(), op, " (warp emulator): ", err);
   TORCH_CHECK(run.report.total() == 0, op, " (warp emulator, emulated sm_80): ", run.report.text());
 }
@@ -221,19 +219,12 @@ std::string set_emulate(std::string const& mode) {
                     "'; the warp emulator emulates 'sm80' ('' turns it off)");
   TORCH_CHECK_VALUE(mode.empty() || emulator_built(), "flash_ext.emulate('sm80'): flash_ext was built without the "
                     "warp emulator; rebuild with FLASH_EXT_EMULATOR=1");
-  std::lock_guard<std::mutex> lock(g_emulate_mutex);
-  std::string previous = g_emulate;
-  g_emulate = mode;
-  return previous;
+  return std::exchange(t_emulate, mode);
 }
 
 bool emulated(at::Tensor const& q) {
   if (!q.device().is_cpu() || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) { return false; }
-  std::string mode;
-  {
-    std::lock_guard<std::mutex> lock(g_emulate_mutex);
-    mode = g_emulate;
-  }
+  std::string const& mode = t_emulate;
   if (mode.empty()) { return false; }
   TORCH_CHECK_VALUE(mode == "sm80", "FLASH_EXT_EMULATE: got '", mode,
                     "'; the warp emulator emulates 'sm80' (or unset it)");
@@ -247,16 +238,10 @@ std::string set_emulator_test_fault(std::string const& fault) {
                     "set_emulator_test_fault: got '", fault,
                     "'; expected '' or 'narrow:' followed by the name of a tensor the emulated launch registers "
                     "(q, k, v, out, softmax_lse, split partials, cu_seqlens_q, block_table, ...)");
-  std::lock_guard<std::mutex> lock(g_emulate_mutex);
-  std::string previous = g_emulator_test_fault;
-  g_emulator_test_fault = fault;
-  return previous;
+  return std::exchange(t_emulator_test_fault, fault);
 }
 
-std::string emulator_last_report() {
-  std::lock_guard<std::mutex> lock(g_emulate_mutex);
-  return g_emulator_report;
-}
+std::string emulator_last_report() { return t_emulator_report; }
 
 DeviceInfo call_device(at::Tensor const& q) {
   if (!emulated(q)) { return device_info(q.device()); }

@@ -82,9 +82,10 @@ DeviceInfo device_info(at::Device device);
 // The device a call with this q runs on: device_info(q.device()), or the emulated sm_80 under emulated(q).
 DeviceInfo call_device(at::Tensor const& q);
 
-// The warp emulator (csrc/emu/, build knob FLASH_EXT_EMULATOR=1).  While its mode is "sm80" (initially from
-// FLASH_EXT_EMULATE, then flash_ext.emulate()), CPU fp16/bf16 calls of every op run the Sm80 CUDA kernels on
-// emulated warps instead of the host backend, and any finding of its checks fails the call.
+// The warp emulator (csrc/emu/, build knob FLASH_EXT_EMULATOR=1).  While the calling thread's mode is "sm80"
+// (every thread starts from FLASH_EXT_EMULATE; flash_ext.emulate() sets its own thread's), CPU fp16/bf16 calls
+// of every op run the Sm80 CUDA kernels on emulated warps instead of the host backend, and any finding of its
+// checks fails the call.
 // set_emulate returns the previous mode; "" turns it off; another mode, or "sm80" in a build without the
 // emulator, is a ValueError (so is a call under such a FLASH_EXT_EMULATE value: never a silent fallback).
 std::string set_emulate(std::string const& mode);
