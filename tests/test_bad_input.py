@@ -72,6 +72,14 @@ CASES = [
     ("softcap_inf", lambda: flash_attn_func(q0, k0, v0, softcap=float("inf")), ["softcap"]),
     ("scale_nan", lambda: flash_attn_func(q0, k0, v0, softmax_scale=float("nan")), ["softmax_scale"]),
     ("scale_inf", lambda: flash_attn_func(q0, k0, v0, softmax_scale=float("inf")), ["softmax_scale"]),
+    # Finite in double, not in the kernels' float32 (0, or inf once times log2(e)): all-NaN outputs before.
+    ("scale_below_float", lambda: flash_attn_func(q0, k0, v0, softmax_scale=1e-50), ["softmax_scale", "1e-50"]),
+    ("scale_subnormal_float", lambda: flash_attn_func(q0, k0, v0, softmax_scale=1e-40), ["softmax_scale", "1e-40"]),
+    ("scale_log2e_overflow", lambda: flash_attn_func(q0, k0, v0, softmax_scale=3e38), ["softmax_scale", "3e+38"]),
+    ("softcap_above_float", lambda: flash_attn_func(q0, k0, v0, softcap=1e39), ["softcap", "1e+39"]),
+    ("softcap_below_float", lambda: flash_attn_func(q0, k0, v0, softcap=1e-50), ["softcap", "1e-50"]),
+    ("scale_over_softcap", lambda: flash_attn_func(q0, k0, v0, softmax_scale=1e20, softcap=1e-20),
+     ["softmax_scale / softcap", "1e+40"]),
     ("qkvpacked_shape", lambda: flash_attn_qkvpacked_func(torch.randn(2, 8, 2, 4, 64).half()), ["qkv"]),
     ("kvpacked_shape", lambda: flash_attn_kvpacked_func(q0, torch.randn(2, 8, 3, 2, 64).half()), ["kv"]),
     ("op_head_dim_not_multiple_of_8", lambda: torch.ops.flash_ext.fwd(

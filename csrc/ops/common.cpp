@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -459,10 +460,20 @@ void check_options(ArgChecker& c, at::Tensor const& q, int64_t batch, int64_t he
   // softcap <= 0 is off (its Python docstring: "<= 0.0 means deactivate"); set_semantics maps them.
   FLASH_EXT_REQUIRE(c, num_splits <= kMaxSplits, "num_splits", std::to_string(num_splits),
             "must be <= " + std::to_string(kMaxSplits) + " (0 or less: heuristic, 1: no split, n: n splits)");
-  FLASH_EXT_REQUIRE(c, std::isfinite(softcap), "softcap", str(softcap), "must be finite (<= 0: off)");
+  // The kernels scale in float32 (set_semantics): the scale, the cap, their quotient and each times log2(e)
+  // must be normal floats.  Checked in double only, 1e-50 became 0 (masked keys -inf * 0 = NaN in every row),
+  // 3e38 became inf once times log2(e), and so did a cap of 1e39: all-NaN outputs from accepted arguments.
+  // (A subnormal would be 0 on the GPU, whose fast-math code flushes them.)
+  auto const normal_float = [](double x) { return x >= double(FLT_MIN) && x <= double(FLT_MAX) / M_LOG2E; };
+  std::string const range = "[" + str(double(FLT_MIN)) + ", " + str(double(FLT_MAX) / M_LOG2E) + "]";
+  FLASH_EXT_REQUIRE(c, std::isfinite(softcap) && (softcap <= 0 || normal_float(softcap)), "softcap", str(softcap),
+            "must be finite: <= 0 is off, else in " + range + " (the kernels compute in float32)");
   // Masked scores are -inf in the kernel's unscaled domain; a scale <= 0 would turn them into NaN or +inf.
-  FLASH_EXT_REQUIRE(c, std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale",
-            str(softmax_scale), "must be finite and > 0");
+  FLASH_EXT_REQUIRE(c, normal_float(softmax_scale), "softmax_scale", str(softmax_scale),
+            "must be finite and > 0, in " + range + " (the kernels compute in float32, also scale * log2(e))");
+  FLASH_EXT_REQUIRE(c, !(softcap > 0 && normal_float(softcap) && normal_float(softmax_scale)) ||
+                           normal_float(softmax_scale / softcap), "softmax_scale / softcap",
+            str(softmax_scale / softcap), "must be in " + range + " (the kernels pre-scale scores by it in float32)");
   if (alibi_slopes.has_value()) {
     auto const& a = *alibi_slopes;
     bool const shape_ok = (a.dim() == 1 && a.size(0) == heads) ||
