@@ -112,7 +112,9 @@ def attention_ref(
               Returns ``out`` in the input dtype and ``lse`` in float32.
 
     A query row with no visible key yields ``out = 0`` and ``lse = +inf``; the result never contains NaN
-    unless the inputs do.
+    unless the inputs do, and then only where exact attention has it: a NaN score makes its row's ``out``
+    and ``lse`` NaN, a NaN or infinite value in ``v`` reaches the rows that weigh its key (not rows that
+    mask or drop it, as ``P @ V`` would with ``0 * NaN``).
     """
     _check_shapes(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -145,10 +147,11 @@ def attention_ref(
     visible = visibility_mask(seqlen_q, seqlen_k, causal, window_size, device=q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
 
-    # Softmax by hand so that empty rows give 0 instead of NaN.
+    # Softmax by hand so that empty rows give 0 instead of NaN.  A row is empty by the mask (or when every
+    # score it sees is -inf); a NaN score makes its row NaN, never empty (`row_max > -inf` was False for it).
     row_max = scores.amax(dim=-1, keepdim=True) if seqlen_k > 0 else scores.new_full(
         (batch, nheads, seqlen_q, 1), float("-inf"))
-    any_visible = row_max > float("-inf")
+    any_visible = visible.any(dim=-1, keepdim=True) & (row_max != float("-inf"))
     safe_max = torch.where(any_visible, row_max, torch.zeros_like(row_max))
     probs = torch.exp(scores - safe_max)  # exp(-inf) = 0 for masked entries
     denom = probs.sum(dim=-1, keepdim=True)
@@ -157,10 +160,21 @@ def attention_ref(
     lse = torch.where(any_visible, safe_max + torch.log(torch.where(any_visible, denom, torch.ones_like(denom))),
                       torch.full_like(denom, float("inf"))).squeeze(-1)  # (b, h, sq)
 
+    contributes = visible & any_visible  # (b, h, sq, sk): the keys each row's output sums over
     if dropout_mask is not None:
         mask = dropout_mask.to(q.device)
         probs = torch.where(mask, probs / (1.0 - dropout_p), torch.zeros_like(probs))
-    out = rearrange(torch.matmul(probs.to(io_dtype), vh), "b h s d -> b s h d").contiguous()
+        contributes = contributes & mask
+    out = torch.matmul(probs.to(io_dtype), torch.where(vh.isfinite(), vh, 0))
+    if not bool(vh.isfinite().all()):
+        # Non-finite values only where a row's output sums them: P @ V would spread them through 0 * inf = NaN
+        # to every row, masked or dropped keys included.  Counted exactly, as 0/1 matmuls.
+        weight = contributes.to(io_dtype)
+        count = lambda which: torch.matmul(weight, which.to(io_dtype)) > 0  # noqa: E731
+        pos, neg, nan = count(vh == float("inf")), count(vh == float("-inf")), count(vh.isnan())
+        out = torch.where(nan | (pos & neg), float("nan"),
+                          torch.where(pos, float("inf"), torch.where(neg, float("-inf"), out)))
+    out = rearrange(out, "b h s d -> b s h d").contiguous()
     return out, lse.contiguous()
 
 

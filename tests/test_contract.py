@@ -4,6 +4,7 @@ device query, the pybind module, the build's arch flags.  Each test failed befor
 from __future__ import annotations
 
 import contextlib
+import math
 
 import importlib.util
 import pathlib
@@ -156,6 +157,32 @@ def test_nan_propagates_whatever_the_split_count(num_splits: int, emulated: bool
         assert (lse[0, h, empty] == float("inf")).all() and (out[0, empty, h] == 0).all()
         finite = ~empty & ~nan_rows[h]
         assert torch.isfinite(lse[0, h, finite]).all() and torch.isfinite(out[0, finite, h]).all()
+
+
+def test_reference_keeps_nan_where_exact_attention_has_it() -> None:
+    """The float64 oracle: a NaN score row was taken for an empty row (O = 0, LSE = +inf, as `row_max > -inf`
+    is False for NaN), and NaN or inf in v reached every row through P @ V's 0 * NaN, masked keys included.
+    Causal, sq = sk = 6, one head; the expected patterns follow from which keys each row sees (row i: keys <= i)."""
+    q, k, v = (torch.randn(1, 6, 1, 8, dtype=torch.float64) for _ in range(3))
+    q[0, 1, 0, 0] = float("nan")         # row 1's scores
+    v[0, 3, 0, 2] = float("nan")         # key 3: rows 3, 4, 5, channel 2
+    v[0, 4, 0, 5] = float("inf")         # key 4: rows 4, 5, channel 5, +inf
+    v[0, 5, 0, 5] = float("-inf")        # key 5: row 5, channel 5: +inf and -inf meet -> NaN
+    v[0, 2, 0, 7] = float("inf")         # key 2, dropped for row 4 only (dropout below)
+    keep = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    keep[0, 0, 4, 2] = False
+    out, lse = reference.attention_ref(q, k, v, causal=True, dropout_p=0.5, dropout_mask=keep)
+    o = out[0, :, 0]                                                        # (sq, d)
+    nan = {(1, c) for c in range(8)} | {(3, 2), (4, 2), (5, 2), (5, 5)}
+    pos_inf = {(2, 7), (3, 7), (4, 5), (5, 7)}                              # (4, 7): key 2 dropped there
+    for r in range(6):
+        for c in range(8):
+            x = o[r, c].item()
+            want = "nan" if (r, c) in nan else "+inf" if (r, c) in pos_inf else "finite"
+            got = "nan" if math.isnan(x) else "+inf" if x == math.inf else "finite" if math.isfinite(x) else "-inf"
+            assert got == want, (r, c, x)
+    assert lse[0, 0].isnan().tolist() == [False, True, False, False, False, False]
+    assert torch.isfinite(lse[0, 0, [0, 2, 3, 4, 5]]).all()
 
 
 # -- tests that must skip, not fail, on builds without a head dim ----------------------------------------
