@@ -360,6 +360,52 @@ def test_emulate_is_per_thread() -> None:
     assert flash_ext.emulator_report() == report_before, "b's launch is not this thread's report"
 
 
+def _at_odd_byte(t: torch.Tensor) -> torch.Tensor:
+    """t's values at an address that is not a multiple of its element size (as torch.frombuffer or a DLPack
+    import can give): .contiguous() keeps such an address."""
+    x = torch.frombuffer(bytearray(t.numel() * t.element_size() + 16), dtype=t.dtype, offset=1,
+                         count=t.numel()).view(t.shape)
+    x.copy_(t)
+    assert x.data_ptr() % x.element_size() != 0
+    return x
+
+
+def test_small_tensors_at_odd_byte_addresses() -> None:
+    """Index tensors, ALiBi slopes and rng_state reached the Sm80 kernels at the caller's address: misaligned
+    4- and 8-byte global loads (a fault on a GPU), and a kvcache append done before the failing launch.  Now
+    copied when misaligned: every call equals the aligned one, with no finding."""
+    d = flash_ext.build_info()["emulator_head_dims"][0]
+    torch.manual_seed(0)
+    with flash_ext.emulate():
+        q, k, v = torch.randn(22, 2, d).half(), torch.randn(37, 1, d).half(), torch.randn(37, 1, d).half()
+        cu_q, cu_k = torch.tensor([0, 5, 22], dtype=torch.int32), torch.tensor([0, 7, 37], dtype=torch.int32)
+        slopes = torch.tensor([0.5, 0.25])
+        want = flash_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 30, alibi_slopes=slopes, causal=True)
+        got = flash_ext.flash_attn_varlen_func(q, k, v, _at_odd_byte(cu_q), _at_odd_byte(cu_k), 17, 30,
+                                               alibi_slopes=_at_odd_byte(slopes), causal=True)
+        assert torch.equal(got, want) and flash_ext.emulator_report()["findings"] == 0
+
+        caches = [torch.randn(3, 64, 1, d).half() for _ in range(2)]
+        q1, k1, v1 = torch.randn(2, 1, 2, d).half(), torch.randn(2, 1, 1, d).half(), torch.randn(2, 1, 1, d).half()
+        seqlens, batch_idx = torch.tensor([3, 5], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+        leftpad = torch.tensor([1, 0], dtype=torch.int32)
+        results = []
+        for wrap in (lambda t: t, _at_odd_byte):
+            kc, vc = (c.clone() for c in caches)
+            out = flash_ext.flash_attn_with_kvcache(q1, kc, vc, k1, v1, cache_seqlens=wrap(seqlens),
+                                                    cache_batch_idx=wrap(batch_idx), cache_leftpad=wrap(leftpad))
+            assert flash_ext.emulator_report()["findings"] == 0
+            results.append((out, kc, vc))
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+
+        qd, kd, vd = make_qkv(1, 20, 30, 1, 1, d, torch.float16)
+        state = torch.tensor([1234, 8], dtype=torch.int64)
+        args = (qd, kd, vd, d ** -0.5, False, -1, -1, 0.0, None, 1, 0.25)
+        want = torch.ops.flash_ext.fwd(*args, state)[0]
+        got = torch.ops.flash_ext.fwd(*args, _at_odd_byte(state))[0]
+        assert torch.equal(got, want) and flash_ext.emulator_report()["findings"] == 0
+
+
 def test_unbuilt_head_dim_is_refused_by_name() -> None:
     built = flash_ext.build_info()["emulator_head_dims"]
     if 256 in built:

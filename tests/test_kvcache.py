@@ -221,3 +221,27 @@ def test_apply_rotary_matches_independent_reference(interleaved, rotary_dim, dty
     assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])
     # A rotation is not the identity: the test can tell a missing or mis-paired rotation apart.
     assert not torch.allclose(got[..., :rotary_dim].double(), x[..., :rotary_dim].double(), atol=1e-2)
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["host", "emulated"])
+def test_q_viewing_the_appended_rows_is_read_as_passed(emulated: bool) -> None:
+    """q a view of the very cache rows the call appends to: the op appended first and then read q, so the
+    attention ran with the new k as its query (error 2.8, no warning).  Now q is copied before the append:
+    the result is the clone's bit for bit and matches the float64 reference of the q as passed."""
+    if emulated and 64 not in flash_ext.build_info()["emulator_head_dims"]:
+        pytest.skip("no emulated head dim 64 in this build")
+    from flash_ext.reference import attention_ref
+    import contextlib
+    torch.manual_seed(0)
+    k_cache = torch.randn(1, 64, 2, 64, dtype=torch.float16)
+    v_cache = torch.randn(1, 64, 2, 64, dtype=torch.float16)
+    k_new, v_new = torch.randn(1, 1, 2, 64, dtype=torch.float16), torch.randn(1, 1, 2, 64, dtype=torch.float16)
+    q_as_passed = k_cache[:, 10:11].clone()
+    kc, vc = k_cache.clone(), v_cache.clone()
+    with flash_ext.emulate() if emulated else contextlib.nullcontext():
+        from_clone = flash_ext.flash_attn_with_kvcache(q_as_passed, kc, vc, k_new, v_new, cache_seqlens=10)
+        out = flash_ext.flash_attn_with_kvcache(k_cache[:, 10:11], k_cache, v_cache, k_new, v_new, cache_seqlens=10)
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    assert torch.equal(out, from_clone)
+    expected, _ = attention_ref(q_as_passed, kc[:, :11], vc[:, :11])
+    assert (out.double() - expected).abs().max() < 2e-3

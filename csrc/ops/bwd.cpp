@@ -131,11 +131,11 @@ at::Tensor launch_bwd(BwdParams& p, at::Tensor const& dout, at::Tensor const& q,
   bool const sm80 = q.is_cuda();  // the backward has no emulated path yet: CPU tensors run the host backend
   at::Tensor const in_q = aligned_for_kernel(q, sm80), in_k = aligned_for_kernel(k, sm80);
   at::Tensor const in_v = aligned_for_kernel(v, sm80), in_do = aligned_for_kernel(dout, sm80);
-  at::Tensor const in_o = aligned_for_kernel(out, sm80), in_lse = lse.contiguous();
+  at::Tensor const in_o = aligned_for_kernel(out, sm80), in_lse = element_aligned(lse);
   std::optional<at::Tensor> in_dlse;
-  if (dlse.has_value()) { in_dlse = dlse->contiguous(); }
+  if (dlse.has_value()) { in_dlse = element_aligned(*dlse); }
   std::optional<at::Tensor> alibi;
-  if (alibi_slopes.has_value()) { alibi = alibi_slopes->contiguous(); }
+  if (alibi_slopes.has_value()) { alibi = element_aligned(*alibi_slopes); }
   GradBuffer gq(dq), gk(dk), gv(dv);
   set_inputs(p, in_q, in_k, in_v);
   set_outputs(p, in_o, in_lse);
@@ -321,9 +321,9 @@ at::Tensor varlen_bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor co
     at::Tensor d = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).transpose(0, 1).contiguous();
     return dsoftmax_lse.has_value() ? d - *dsoftmax_lse : d;
   }
-  at::Tensor const cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  at::Tensor const cu_q = element_aligned(cu_seqlens_q), cu_k = element_aligned(cu_seqlens_k);
   std::optional<at::Tensor> used;
-  if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
+  if (seqused_k.has_value()) { used = element_aligned(*seqused_k); }
   BwdParams p;
   p.b = int(b);
   p.seqlen_q = int(max_seqlen_q);

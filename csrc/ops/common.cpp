@@ -54,6 +54,11 @@ at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80) {
   return aligned16(c) ? c : c.clone();
 }
 
+at::Tensor element_aligned(at::Tensor const& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % uintptr_t(c.element_size()) == 0 ? c : c.clone();
+}
+
 void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
@@ -659,7 +664,7 @@ KernelInputs prepare_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const&
   }
   bool const sm80 = q.is_cuda() || emulated(q);
   KernelInputs in{aligned_for_kernel(q, sm80), aligned_for_kernel(k, sm80), aligned_for_kernel(v, sm80), std::nullopt};
-  if (alibi_slopes.has_value()) { in.alibi = alibi_slopes->contiguous(); }
+  if (alibi_slopes.has_value()) { in.alibi = element_aligned(*alibi_slopes); }
   set_inputs(p, in.q, in.k, in.v);
   set_outputs(p, out, lse);
   return in;

@@ -133,6 +133,12 @@ bool aligned16(at::Tensor const& t);
 // Inputs of an Sm80 kernel (sm80: CUDA, or the emulated GPU) whose rows are not 16-byte aligned are copied
 // into fresh (aligned) storage; the host backend reads element-wise and uses its inputs as they are.
 at::Tensor aligned_for_kernel(at::Tensor const& t, bool sm80);
+// A small tensor the kernels read by element (index arrays, ALiBi slopes, LSE and its gradient, RNG state), as
+// they read it: contiguous and at an address that is a multiple of its element size.  A view made by
+// torch.frombuffer or imported through DLPack can start at any byte, and .contiguous() keeps the address: on
+// a GPU a misaligned 4- or 8-byte load is a fault that ends the CUDA context (the emulator flags it as a bad
+// address), and on the host it is undefined behaviour.  Such a tensor is copied to fresh storage.
+at::Tensor element_aligned(at::Tensor const& t);
 // Tensor layouts into params; q/k/v are 4-D (fixed length) or 3-D (varlen: no batch stride).  Paged k/v are
 // 4-D under a 3-D varlen q: their "batch" stride is the page stride.
 void set_inputs(FwdParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v);

@@ -74,7 +74,7 @@ DropoutState set_dropout(FwdParams& p, at::Tensor const& q, double dropout_p,
   p.rng_state_out = st.out.data_ptr<int64_t>();
   if (plan_only()) { return st; }  // no launch follows: the generator stays where it is
   if (rng_state.has_value()) {
-    st.in = rng_state->contiguous();
+    st.in = element_aligned(*rng_state);
     p.rng_seed_ptr = st.in.data_ptr<int64_t>();
     p.rng_offset_ptr = p.rng_seed_ptr + 1;
     return st;
@@ -121,7 +121,7 @@ at::Tensor dropout_mask(at::Tensor const& rng_state, double dropout_p, int64_t b
   c.raise_if_any();
   at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
   if (mask.numel() == 0) { return mask; }
-  at::Tensor const state = rng_state.contiguous();
+  at::Tensor const state = element_aligned(rng_state);
   FwdParams p;
   p.rng_seed_ptr = state.data_ptr<int64_t>();
   p.rng_offset_ptr = p.rng_seed_ptr + 1;

@@ -35,11 +35,12 @@ void attend_into(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor cons
   if (out.numel() == 0) { return; }
   int64_t const b = q.size(0), sq = q.size(1);
   // seqused_k = keys per entry after the append, counted from the left padding.
-  at::Tensor const used = (ix.leftpad.has_value() ? ix.seqlens - *ix.leftpad : ix.seqlens).to(at::kInt).contiguous();
+  at::Tensor const used =
+      element_aligned((ix.leftpad.has_value() ? ix.seqlens - *ix.leftpad : ix.seqlens).to(at::kInt));
   std::optional<at::Tensor> idx, pad, table;
-  if (ix.batch_idx.has_value()) { idx = ix.batch_idx->contiguous(); }
-  if (ix.leftpad.has_value()) { pad = ix.leftpad->contiguous(); }
-  if (ix.block_table.has_value()) { table = ix.block_table->contiguous(); }
+  if (ix.batch_idx.has_value()) { idx = element_aligned(*ix.batch_idx); }
+  if (ix.leftpad.has_value()) { pad = element_aligned(*ix.leftpad); }
+  if (ix.block_table.has_value()) { table = element_aligned(*ix.block_table); }
   FwdParams p;
   KernelInputs const in = prepare_inputs(p, q, k_cache, v_cache, out, lse, alibi_slopes);
   p.b = int(b);
@@ -267,25 +268,30 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   }
   c.raise_if_any();
 
-  if (k.has_value() && !plan_only()) {  // plan-only (explain_call): the plan of the attention, no append
-    // New rows that are a view of a cache would be read while the append writes that cache: copied first,
-    // so the call appends the values they had when it was made.
-    auto unaliased = [&](at::Tensor const& t) {
-      for (at::Tensor const* cache : {&k_cache, &v_cache}) {
-        if (t.storage().is_alias_of(cache->storage()) &&
-            at::get_overlap_status(t, *cache) != at::MemOverlapStatus::No) {
-          return t.clone();
-        }
+  // Inputs that view a cache would be read after the append has written it: copied first, so that the call
+  // appends the new rows and attends with the q (and slopes) they were when it was made.  (flash_attn's
+  // kernel appends and reads q in one launch: such a q is a race there.)
+  bool const appends = k.has_value() && !plan_only();  // plan-only (explain_call): the plan, no append
+  auto unaliased = [&](at::Tensor const& t) {
+    for (at::Tensor const* cache : {&k_cache, &v_cache}) {
+      if (appends && t.storage().is_alias_of(cache->storage()) &&
+          at::get_overlap_status(t, *cache) != at::MemOverlapStatus::No) {
+        return t.clone();
       }
-      return t;
-    };
+    }
+    return t;
+  };
+  at::Tensor const q_read = unaliased(q);
+  std::optional<at::Tensor> const slopes_read =
+      alibi_slopes.has_value() ? std::optional<at::Tensor>(unaliased(*alibi_slopes)) : std::nullopt;
+  if (appends) {
     append(k_cache, v_cache, unaliased(*k), unaliased(*v), cache_seqlens, cache_batch_idx, block_table, page_size,
            kept);
   }
   CacheIndices ix{seqlen_new ? cache_seqlens + int(seqlen_new) : cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, capacity, page_size};
-  return attend(q, k_cache, v_cache, ix, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                num_splits);
+  return attend(q_read, k_cache, v_cache, ix, softmax_scale, causal, window_left, window_right, softcap,
+                slopes_read, num_splits);
 }
 
 }  // namespace

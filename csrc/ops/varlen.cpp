@@ -109,9 +109,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     write_padding_rows();
     return {out, lse, idle_rng_state(q, dropout_p, rng_state)};
   }
-  at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  at::Tensor cu_q = element_aligned(cu_seqlens_q), cu_k = element_aligned(cu_seqlens_k);
   std::optional<at::Tensor> used, table;
-  if (seqused_k.has_value()) { used = seqused_k->contiguous(); }
+  if (seqused_k.has_value()) { used = element_aligned(*seqused_k); }
   FwdParams p;
   KernelInputs const in = prepare_inputs(p, q, k, v, out, lse, alibi_slopes);
   p.b = int(b);
@@ -122,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   p.cu_seqlens_k = cu_k.data_ptr<int>();
   p.seqused_k = used.has_value() ? used->data_ptr<int>() : nullptr;
   if (paged) {
-    table = block_table->contiguous();
+    table = element_aligned(*block_table);
     p.block_table = table->data_ptr<int>();
     p.block_table_batch_stride = table->stride(0);
     p.page_size = int(page_size);
