@@ -8,7 +8,10 @@ a ``ValueError`` through; the public functions therefore raise ``ArgumentError``
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+import inspect
+from typing import Callable, List, TypeVar
+
+import torch
 
 __all__ = ["ArgumentError", "raises_argument_error"]
 
@@ -34,5 +37,28 @@ def raises_argument_error(fn: F) -> F:
             raise
         except ValueError as e:
             raise ArgumentError(*e.args).with_traceback(e.__traceback__) from None
+        except RuntimeError as e:  # NotImplementedError included: what torch raises for tensors without strides
+            layouts = _layout_errors(fn, args, kwargs)
+            if not layouts:
+                raise
+            raise ArgumentError(f"flash_ext.{fn.__name__}: {len(layouts)} invalid argument"
+                                f"{'s' if len(layouts) > 1 else ''}:" +
+                                "".join(f"\n  - {x}" for x in layouts)) from e
 
     return wrapper  # type: ignore[return-value]
+
+
+def _layout_errors(fn: Callable, args: tuple, kwargs: dict) -> List[str]:
+    """The tensor arguments that are not dense strided tensors (sparse, nested, mkldnn): torch's own error
+    about them, raised somewhere inside (a dispatcher key, a memory format, missing strides), names no
+    argument.  Looked for only after a failure, so a call pays nothing for it."""
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return []
+    found = []
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor) and (value.is_nested or value.layout != torch.strided):
+            kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.").lstrip("_")
+            found.append(f"{name}: got a {kind} tensor; must be a dense (strided) tensor")
+    return found

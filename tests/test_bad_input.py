@@ -119,6 +119,30 @@ def test_public_refusals_are_argument_errors(call):
     assert "flash_ext" in str(info.value)
 
 
+NON_STRIDED = [
+    ("q_sparse", lambda: flash_attn_func(q0.to_sparse(), k0, v0), "q: got a sparse_coo tensor"),
+    ("v_mkldnn", lambda: flash_attn_func(q0.float(), k0.float(), v0.float().to_mkldnn()), "v: got a mkldnn tensor"),
+    ("q_nested", lambda: flash_attn_func(torch.nested.nested_tensor([q0[0], q0[0, :8]], layout=torch.jagged), k0, v0),
+     "q: got a nested tensor"),
+    ("cu_seqlens_sparse", lambda: flash_ext.flash_attn_varlen_func(
+        q0[0], k0[0], v0[0], torch.tensor([0, 16], dtype=torch.int32).to_sparse(),
+        torch.tensor([0, 24], dtype=torch.int32), 16, 24), "cu_seqlens_q: got a sparse_coo tensor"),
+    ("k_cache_sparse", lambda: flash_ext.flash_attn_with_kvcache(q0[:, :1], k0.to_sparse(), v0, cache_seqlens=4),
+     "k_cache: got a sparse_coo tensor"),
+    ("dq_sparse", lambda: flash_ext.flash_attn_backward(q0, q0, k0, v0, q0, torch.zeros(2, 4, 16),
+                                                        dq=torch.zeros_like(q0).to_sparse()), "dq: got a sparse"),
+]
+
+
+@pytest.mark.parametrize("call,words", [c[1:] for c in NON_STRIDED], ids=[c[0] for c in NON_STRIDED])
+def test_tensors_without_strides_are_named(call, words):
+    """Sparse, mkldnn and nested tensors failed inside torch ("unsupported memory format option", "Could not
+    run ... with arguments from the 'SparseCPU' backend", NotImplementedError), naming no argument."""
+    with pytest.raises(flash_ext.ArgumentError) as info:
+        call()
+    assert words in str(info.value) and "must be a dense (strided) tensor" in str(info.value), info.value
+
+
 def test_op_refusals_stay_value_errors():
     with pytest.raises(ValueError) as info:
         _fwd_op(*_qkv(h=6, hk=4))
