@@ -20,8 +20,9 @@ __all__ = ["emulate", "emulator_report"]
 
 @contextlib.contextmanager
 def emulate(arch: str = "sm80") -> Iterator[None]:
-    """Inside the block, every CPU fp16/bf16 call of every op (fwd, varlen, kvcache incl. paged, split-KV,
-    backward) made by this thread runs on the emulated ``arch`` (only ``"sm80"``); other threads keep their
+    """Inside the block, every CPU fp16/bf16 forward call of every op (fwd, varlen, kvcache incl. paged,
+    split-KV) made by this thread runs on the emulated ``arch`` (only ``"sm80"``; the backward keeps running
+    on the host backend, its Sm80 kernels are emulated by the C++ tests); other threads keep their
     own mode.  The environment variable ``FLASH_EXT_EMULATE=sm80`` is every thread's starting mode (set it
     before importing flash_ext).  Raises ``ValueError`` if the build has no emulator.  fp32 calls keep
     running on the host backend (the GPU kernels take fp16/bf16 only)."""

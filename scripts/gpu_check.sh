@@ -6,7 +6,10 @@
 # Order = value of the answer if the lease ends there:
 #   env      what the machine is (GPU, driver, torch, nvcc, cores), so every figure below can be placed
 #   build    sm_90 only, forward head dims 64/128, backward 64 (CI's set), one host head dim, no emulator;
-#            skipped when .carry/prebuilt/ holds an extension built so on the dev machine that imports here
+#            skipped when .carry/prebuilt/ holds an extension built so on the dev machine from this tree's
+#            sources (its commit in .carry/prebuilt/COMMIT, with no change to the build's inputs since) that
+#            imports here; a prebuilt of older sources would test old kernels, or fail on Python calling
+#            functions its _C lacks
 #   smoke    scripts/sanitizer_cases.py without a sanitizer: every forward variant, the backward, split-KV and
 #            paged decode once each, against the float64 reference (a crash here explains the tests' failures)
 #   tests    pytest -m "cuda and not full" (per-test timeout, failures listed, not stopped at the first)
@@ -87,6 +90,13 @@ BUILD_ENV=(FLASH_EXT_CUDA_ARCHS=90 FLASH_EXT_HEADDIMS=64,128 FLASH_EXT_BWD_HEADD
 # BUILD_ENV: docs/perf.md) saves the build's minutes; it is used when it imports, else the tree builds here.
 prebuilt=$(ls .carry/prebuilt/_C*.so 2>/dev/null | head -n 1)
 used_prebuilt=""
+built_from=$(cat .carry/prebuilt/COMMIT 2>/dev/null)
+if [ -n "$prebuilt" ] && ! { [ -n "$built_from" ] &&
+     git diff --quiet "$built_from" HEAD -- csrc setup.py scripts/cuda_flags.py scripts/gen_instantiations.py &&
+     git diff --quiet HEAD -- csrc setup.py; }; then
+  echo "prebuilt $prebuilt ignored: built from '${built_from:-unknown}', not this tree's sources" | tee "$WORK/prebuilt.log"
+  prebuilt=""
+fi
 if [ -n "$prebuilt" ] && cp "$prebuilt" flash_ext/ &&
    $PY -c "import flash_ext; print(flash_ext.build_info())" > "$WORK/prebuilt.log" 2>&1; then
   status[build]="prebuilt: $(basename "$prebuilt")"; order+=(build); used_prebuilt=1; cat "$WORK/prebuilt.log"
@@ -131,7 +141,9 @@ step smoke 60 $PY scripts/sanitizer_cases.py
 TIMEOUT_ARG=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")
 step tests 200 $PY -m pytest -q -m "cuda and not full" -p no:cacheprovider -rfE --maxfail=40 $TIMEOUT_ARG tests
 if [ -n "${bg_dir[device]:-}" ] && bg_wait device; then
-  step device_smoke 60 bash -c "cd '${bg_dir[device]}' && $PY scripts/sanitizer_cases.py --quick"
+  # The device tree first on the path: PYTHONPATH holds this checkout, whose flash_ext is the prebuilt one.
+  step device_smoke 60 bash -c "cd '${bg_dir[device]}' && export PYTHONPATH='${bg_dir[device]}':\$PYTHONPATH &&
+    $PY -c 'import flash_ext; print(flash_ext.__file__)' && $PY scripts/sanitizer_cases.py --quick"
 fi
 [ -n "${bg_dir[base]:-}" ] && bg_wait base
 BASE=${bg_dir[base]:-/nonexistent}

@@ -81,9 +81,23 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+_running: pytest.Item | None = None  # the test being run (pytest_runtest_setup), for require_device's mark check
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _running
+    _running = item
+
+
 def require_device(device: str) -> torch.device:
-    """Returns ``torch.device(device)`` or skips the calling test when that device cannot be tested."""
+    """Returns ``torch.device(device)`` or skips the calling test when that device cannot be tested.  A test
+    that asks for CUDA must carry the ``cuda`` mark, which is how scripts/gpu_check.sh selects the GPU tests
+    (``-m cuda``): three unmarked CUDA tests were never run on a GPU, one of them stale for a week.  Checked
+    here, on any machine, before the skip."""
     if device == "cuda":
+        if _running is not None and _running.get_closest_marker("cuda") is None:
+            pytest.fail(f"{_running.nodeid} asks for CUDA but has no 'cuda' mark: `-m cuda` (scripts/gpu_check.sh) "
+                        "would never select it", pytrace=False)
         reason = cuda_skip_reason()
         if reason is not None:
             pytest.skip(reason)

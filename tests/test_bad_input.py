@@ -308,6 +308,7 @@ def test_meta_and_cpu_mixed(which):
 
 # --- CUDA-only rules -------------------------------------------------------------------------------------
 
+@pytest.mark.cuda
 def test_fp32_on_cuda():
     require_device("cuda")
     q, k, v = _qkv(dtype=torch.float32, device="cuda")
@@ -315,6 +316,7 @@ def test_fp32_on_cuda():
     assert "q.dtype" in msg and "CUDA" in msg
 
 
+@pytest.mark.cuda
 def test_devices_differ():
     require_device("cuda")
     q, k, v = _qkv(device="cuda")
@@ -324,7 +326,7 @@ def test_devices_differ():
     assert "alibi_slopes.device" in msg
 
 
-@pytest.mark.parametrize("where", ["cuda", "emulated"])
+@pytest.mark.parametrize("where", [pytest.param("cuda", marks=pytest.mark.cuda), "emulated"])
 def test_op_copies_rows_not_16_byte_aligned(where):
     """The Sm80 kernels move 16-byte vectors; the op copies inputs whose rows are not 16-byte aligned (this
     test expected a refusal the op stopped giving on 2026-11-30, unseen: it runs only with a GPU)."""

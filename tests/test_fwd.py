@@ -284,7 +284,8 @@ def test_odd_head_dim_non_contiguous(device):
 def test_misaligned_views(device, d):
     """Start address one element past a 16-byte boundary and row strides that are not multiples of 8.
 
-    The CPU kernel takes such views as they are; on CUDA flash_attn_func copies them to aligned storage."""
+    The CPU kernel takes such views as they are; for the Sm80 kernels (CUDA, the emulator) the op copies
+    them to aligned storage."""
     device = require_device(device)
     q = torch.randn(2, 97, 4, d + 1, dtype=torch.float16, device=device)[..., 1:]
     k = torch.randn(2, 130, 2, d + 3, dtype=torch.float16, device=device)[..., 3:]

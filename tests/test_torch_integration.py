@@ -47,8 +47,8 @@ def test_opcheck_requires_grad(device, sample):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lse_output_needs_no_gradient(device):
-    """The LSE output is differentiable in the graph's bookkeeping, but a backward through it is refused
-    (tests/test_bwd.py); an out-only loss backpropagates."""
+    """The LSE output is differentiable (its gradient is tested in tests/test_bwd.py); an out-only loss
+    backpropagates without one."""
     device = require_device(device)
     q, k, v = make_qkv(1, 10, 12, 2, 2, 32, torch.float16, device)
     q.requires_grad_()

@@ -15,7 +15,8 @@ from conftest import DEVICES, require_device
 
 
 def _skip_missing_head_dim(device: torch.device, d: int) -> None:
-    dims = flash_ext.build_info()["gpu_head_dims" if device.type == "cuda" else "host_head_dims"]
+    """These tests train (forward and backward): on CUDA the backward's head dims (FLASH_EXT_BWD_HEADDIMS)."""
+    dims = flash_ext.build_info()["gpu_bwd_head_dims" if device.type == "cuda" else "host_head_dims"]
     if not dims or max(dims) < d:
         pytest.skip(f"head_dim {d} has no {device.type} kernel in this build ({dims})")
 

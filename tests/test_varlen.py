@@ -9,12 +9,11 @@ import torch
 
 import flash_ext
 from attn_check import check_close
-from conftest import DEVICES, cuda_skip_reason
+from conftest import DEVICES, require_device
 
 
 def _skip(device: str) -> None:
-    if device == "cuda" and cuda_skip_reason():
-        pytest.skip(cuda_skip_reason())
+    require_device(device)  # skips without a usable GPU; fails a CUDA item without the cuda mark
 
 
 def _cu(lengths: list[int], device: str) -> torch.Tensor:
