@@ -331,6 +331,17 @@ def test_build_archs_follow_the_users_knobs_then_the_visible_gpus() -> None:
     assert "mod.choose_archs(os.environ, capabilities)" in setup_py
 
 
+def test_sdist_carries_what_setup_py_compiles() -> None:
+    """An sdist held csrc/'s .cpp files only (setuptools' default): no header, no CUDA or emulator source, none
+    of the scripts setup.py loads, so `pip install` of it and `python -m build` (wheel from the sdist) failed.
+    MANIFEST.in must graft csrc/ and include every script setup.py loads."""
+    manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
+    assert "graft csrc" in manifest
+    included = {word for line in manifest if line.startswith("include ") for word in line.split()[1:]}
+    loaded = set(re.findall(r'load_script\("(\w+)"\)', (ROOT / "setup.py").read_text()))
+    assert loaded and {f"scripts/{name}.py" for name in loaded} <= included, (loaded, included)
+
+
 def test_C_is_a_pybind_module_and_registers_nothing_twice() -> None:
     """flash_ext._C was an empty CPython module and Python re-derived the plan; now the non-op C++ functions
     are pybind11 functions, the ops stay TORCH_LIBRARY ops, and no name is both."""
