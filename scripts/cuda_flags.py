@@ -60,12 +60,14 @@ def archs_from_torch_list(value: str) -> tuple[list[str], list[str]]:
     dropped: list[str] = []
     bad: list[str] = []
     for entry in [e for e in re.split(r"[;,\s]+", value.strip()) if e]:
-        name = entry.lower()
+        # "+PTX" asks for the PTX too, which the build embeds for its newest arch anyway (gencode_flags).
+        base = entry[:-4] if entry.upper().endswith("+PTX") else entry
+        name = base.lower()
         if name in _OLDER_NAMED:
             dropped.append(entry)
             continue
-        for arch in _NAMED.get(name, [entry]):
-            m = re.fullmatch(r"(\d+)\.(\d)(a?)(\+PTX)?", arch, flags=re.IGNORECASE)
+        for arch in _NAMED.get(name, [base]):
+            m = re.fullmatch(r"(\d+)\.(\d)(a?)", arch, flags=re.IGNORECASE)
             if m is None:
                 bad.append(entry)
                 break

@@ -313,6 +313,7 @@ def test_build_archs_follow_the_users_knobs_then_the_visible_gpus() -> None:
     assert choose({"TORCH_CUDA_ARCH_LIST": "9.0a"}, [])[0] == ["90a"]
     assert choose({"TORCH_CUDA_ARCH_LIST": "8.0,9.0,9.0a"}, [])[0] == ["80", "90", "90a"]
     assert choose({"TORCH_CUDA_ARCH_LIST": "Ampere;Hopper"}, [])[0] == ["80", "90"]
+    assert choose({"TORCH_CUDA_ARCH_LIST": "Turing Ampere+PTX"}, [])[0] == ["80"]
     # FLASH_EXT_CUDA_ARCHS first, as written; then TORCH_CUDA_ARCH_LIST; then the GPUs; then the default.
     env = {"FLASH_EXT_CUDA_ARCHS": "90a", "TORCH_CUDA_ARCH_LIST": "8.0"}
     assert choose(env, [(8, 0)]) == (["90a"], "FLASH_EXT_CUDA_ARCHS")
