@@ -22,23 +22,38 @@ __all__ = [
 ]
 
 
+def _is_scalar_tensor(x, integral: bool) -> bool:
+    """A one-element tensor of an integer (or, unless `integral`, floating) dtype: flash_attn 2.8's ops are
+    torch.library custom ops declared ``int`` / ``float``, which take such a tensor for the number (its own
+    tests pass ``window_size=torch.randint(0, seqlen_k, (2,))``), so flash_ext takes it too."""
+    if not isinstance(x, torch.Tensor) or x.numel() != 1 or x.dtype == torch.bool or x.is_complex():
+        return False
+    return not x.is_floating_point() or not integral
+
+
 def _is_int(x) -> bool:
-    """An integer other than a bool (NumPy's too).  Python's own int first: the ABC check costs about a
-    microsecond, and these checks run on every call."""
-    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+    """An integer other than a bool (NumPy's too, and a one-element integer tensor).  Python's own int first:
+    the ABC check costs about a microsecond, and these checks run on every call."""
+    return (type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+            or _is_scalar_tensor(x, integral=True))
 
 
 def _is_real(x) -> bool:
-    """A real number other than a bool (NumPy's and a traced SymFloat too), Python's own types first."""
-    return type(x) in (float, int) or (isinstance(x, (numbers.Real, torch.SymFloat)) and not isinstance(x, bool))
+    """A real number other than a bool (NumPy's, a traced SymFloat, a one-element real tensor too), Python's
+    own types first."""
+    return (type(x) in (float, int) or (isinstance(x, (numbers.Real, torch.SymFloat)) and not isinstance(x, bool))
+            or _is_scalar_tensor(x, integral=False))
 
 
 def _window_size_error(window_size) -> Optional[str]:
     """The rule window_size breaks, or None: the ops take two ints, so the shape is checked here.  Any integer
-    type (NumPy's too) is taken, and a negative side is unbounded, as in flash_attn."""
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and _is_int(window_size[0]) and _is_int(window_size[1])):
-        return f"window_size: got {window_size!r}; must be a pair of ints (left, right), negative = unbounded"
+    type (NumPy's, one-element integer tensors, a two-element integer tensor as a whole) is taken, and a
+    negative side is unbounded, as in flash_attn."""
+    pair = isinstance(window_size, (tuple, list)) or (
+        isinstance(window_size, torch.Tensor) and window_size.dim() == 1)
+    if not (pair and len(window_size) == 2 and _is_int(window_size[0]) and _is_int(window_size[1])):
+        return (f"window_size: got {window_size!r}; must be a pair of ints (left, right) (Python, NumPy or "
+                "one-element integer tensors), negative = unbounded")
     return None
 
 
@@ -46,7 +61,7 @@ def _python_arg_errors(dropout_p: float, window_size, softmax_scale=None) -> Lis
     """Python-side argument types (the value rules, dropout_p's range and the rest, are the op's)."""
     errors = []
     if not _is_real(dropout_p):
-        errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1 - 2^-17]")
+        errors.append(f"dropout_p: got {dropout_p!r}; must be a float in [0, 1 - 2^-17] (or a one-element tensor)")
     if softmax_scale is not None and not _is_real(softmax_scale):
         errors.append(f"softmax_scale: got {softmax_scale!r}; must be None (1 / sqrt(headdim)) or a float > 0")
     window_error = _window_size_error(window_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -327,6 +328,26 @@ def test_explicit_scale(device, scale):
     q, k, v = make_qkv(2, 100, 129, 4, 1, 80, torch.bfloat16, device)
     out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, return_attn_probs=True)
     check_close(out, lse, q, k, v, softmax_scale=scale, causal=True, context=f"scale={scale}")
+
+
+def test_numbers_given_as_one_element_tensors():
+    """flash_attn 2.8's ops are custom ops declared int/float, which take one-element tensors for numbers, and
+    its own tests pass window_size=torch.randint(0, seqlen_k, (2,)): flash_ext refused every such call."""
+    q, k, v = make_qkv(2, 40, 57, 4, 2, 64, torch.bfloat16)
+    want = flash_attn_func(q, k, v, softmax_scale=0.2, window_size=(5, 3))
+    for window in (torch.tensor([5, 3]), (torch.tensor(5), torch.tensor([3], dtype=torch.int32)), [np.int64(5), 3]):
+        assert torch.equal(flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.2), window_size=window), want)
+    cache = torch.zeros(2, 64, 2, 64, dtype=torch.bfloat16)
+    decode = lambda window: flash_ext.flash_attn_with_kvcache(  # noqa: E731
+        q[:, :1], cache.clone(), cache.clone(), k[:, :9], v[:, :9], cache_seqlens=4, window_size=window)
+    assert torch.equal(decode(torch.tensor([2, 0])), decode((2, 0)))
+    torch.manual_seed(7)
+    want = flash_attn_func(q, k, v, dropout_p=0.25)
+    torch.manual_seed(7)
+    assert torch.equal(flash_attn_func(q, k, v, dropout_p=torch.tensor(0.25, dtype=torch.float64)), want)
+    for bad in (torch.tensor([5.0, 3.0]), torch.tensor([True, False]), torch.tensor([1, 2, 3])):
+        with pytest.raises(ValueError, match="window_size"):
+            flash_attn_func(q, k, v, window_size=bad)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.5])
