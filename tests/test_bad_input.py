@@ -211,14 +211,14 @@ def test_varlen_python_type_errors_listed_with_the_op_rules(fn):
     q = torch.randn(10, 2, 64, dtype=torch.float64)
     kv = torch.randn(10, 2, 64, dtype=torch.float16)
     cu = torch.tensor([0, 4, 12], dtype=torch.int32)  # 12 > 10 rows
-    bad = dict(dropout_p=torch.tensor(0.1), window_size=(1,))
+    bad = dict(dropout_p=torch.tensor([0.1, 0.2]), window_size=(1,))  # one-element tensors are numbers
     if fn == "varlen":
         msg = _error(flash_attn_varlen_func, q, kv, kv, cu, cu, 8, 8, **bad)
     elif fn == "varlen_qkvpacked":
         msg = _error(flash_attn_varlen_qkvpacked_func, torch.stack([q, q, q], 1), cu, 8, **bad)
     else:
         msg = _error(flash_attn_varlen_kvpacked_func, q, torch.stack([kv, kv], 1), cu, cu, 8, 8, **bad)
-    for w in ["dropout_p: got tensor(0.1000)", "window_size: got (1,)", "q.dtype", "cu_seqlens_q[-1]"]:
+    for w in ["dropout_p: got tensor([0.1000, 0.2000])", "window_size: got (1,)", "q.dtype", "cu_seqlens_q[-1]"]:
         assert w in msg, f"{w!r} missing from:\n{msg}"
     assert re.match(r"flash_ext.varlen_fwd: \d+ invalid arguments:", msg), msg
 
