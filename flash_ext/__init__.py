@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C, _ops  # noqa: F401
+from . import _C, _ops, flash_attn_interface  # noqa: F401  (flash_attn.flash_attn_interface's names)
 from .backward import flash_attn_backward, flash_attn_varlen_backward
 from .emulate import emulate, emulator_report
 from .errors import ArgumentError

@@ -6,9 +6,14 @@ query row, key column).  ``dropout_mask`` evaluates that function element by ele
 (``torch.ops.flash_ext.dropout_mask``: a CPU loop or a small CUDA kernel).
 
 ``S_dmask`` is a debugging/testing aid, computed by a separate O(seqlen_q x seqlen_k) path after the
-forward kernel: the softmax probabilities recomputed in fp32 from q, k and the kernel's LSE, negated where
-the mask drops them (a dropped probability of 0 becomes -0.0, so ``torch.signbit`` recovers the mask
-everywhere and ``S_dmask >= 0`` wherever the probability is positive).  It needs about
+forward kernel, scaled as flash_attn's CUDA kernel leaves it ("the output of softmax, possibly with different
+scaling"): in key blocks of ``_get_block_size_n`` columns, ``exp(s - m_j)`` with ``m_j`` the row's maximum
+over block j and every block right of it (that kernel walks the key blocks right to left and writes each
+with the running maximum it has then), negated where the mask drops it (a dropped 0 becomes -0.0, so
+``torch.signbit`` recovers the mask everywhere and ``S_dmask >= 0`` wherever the value is positive).
+flash_attn's own tests turn it back into probabilities with the same block width (``normalize_flash_attn_S``
+multiplies block j by ``exp(m_j - lse)``); before 2026-12-07 flash_ext returned the probabilities themselves,
+which that step shrank.  It needs about
 ``3 * 4 * batch * nheads * seqlen_q * seqlen_k`` bytes of temporary memory, freed on return: it is computed
 without autograd and requires no grad (flash_attn's S_dmask gets no gradient either: its backward ignores it).
 """
@@ -35,10 +40,34 @@ def dropout_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: 
                                             size_arg(seqlen_q), size_arg(seqlen_k))
 
 
+def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
+    """The key-block width of ``S_dmask``'s scaling (module docstring): flash_attn 2.8's rule of the same name,
+    the column tile of its CUDA forward kernels by head dim and compute capability; devices other than CUDA
+    use the sm_80 row.  Exported by ``flash_ext.flash_attn_interface`` as flash_attn's tests import it."""
+    if head_dim > 256:
+        raise ValueError(f"head_dim: got {head_dim}; must be <= 256")
+    device = torch.device(device)
+    sm8x = False  # sm_86 / sm_89, not sm_80
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        sm8x = major == 8 and minor > 0
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        if sm8x:
+            return 64 if not is_dropout and is_causal else 32
+        return 32 if is_dropout else 64
+    return 64
+
+
 def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
            window_size: Tuple[int, int], softcap: float, slopes: Optional[torch.Tensor]) -> torch.Tensor:
-    """Softmax probabilities (h, sq, sk) fp32 of one sequence: q (sq, h, d), k (sk, hk, d), lse (h, sq);
-    slopes (h,) or None."""
+    """``S_dmask``'s values (h, sq, sk) fp32 of one sequence before the mask's signs (module docstring):
+    q (sq, h, d), k (sk, hk, d), lse (h, sq) (rows without keys: +inf); slopes (h,) or None."""
     sq, h, _ = q.shape
     sk, hk = k.shape[0], k.shape[1]
     qf = q.float().transpose(0, 1)                                            # (h, sq, d)
@@ -59,8 +88,18 @@ def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: f
         visible &= col <= diag + right
     if left >= 0:
         visible &= col >= diag - left
-    p = torch.exp(s - lse.float().unsqueeze(-1))  # lse = +inf on rows that see no key: p = 0
-    return torch.where(visible, p, torch.zeros_like(p))
+    s = s.masked_fill(~visible, float("-inf"))
+    if sk == 0 or sq == 0:
+        return torch.zeros_like(s)
+    # m_j: the maximum over block j and the blocks right of it (a reversed running maximum of block maxima).
+    block = _get_block_size_n(q.device, q.shape[-1], True, causal)
+    blocks = (sk + block - 1) // block
+    padded = torch.nn.functional.pad(s, (0, blocks * block - sk), value=float("-inf"))
+    block_max = padded.view(h, sq, blocks, block).amax(-1)
+    m = torch.cummax(block_max.flip(-1), dim=-1).values.flip(-1).repeat_interleave(block, dim=-1)[..., :sk]
+    p = torch.exp(s - m)
+    empty = (m == float("-inf")) | (lse.float().unsqueeze(-1) == float("inf"))  # no key here or in the row
+    return torch.where(visible & ~empty, p, torch.zeros_like(p))
 
 
 @torch.no_grad()  # a diagnostic, not a differentiable output: flash_attn's backward drops its gradient too

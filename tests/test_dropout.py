@@ -188,9 +188,12 @@ def test_varlen_function_and_s_dmask(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (10, 4))])
 def test_s_dmask(device, causal, window):
-    """S_dmask: |S_dmask| are the softmax probabilities, its sign pattern is the reference mask, and the
-    output is the reference output with that mask.  The (seed, offset) are recovered by re-seeding the
-    generator and calling the op, which returns them: the same generator state gives the same mask."""
+    """S_dmask: |S_dmask| is scaled as flash_attn's CUDA kernel leaves it (exp(s - m_j), m_j the row's maximum
+    over key block j and the blocks right of it; 64-key blocks at head dim 64 with dropout, flash_attn's
+    _get_block_size_n), so flash_attn's tests' normalize_flash_attn_S step (block j times exp(m_j - lse))
+    gives the softmax probabilities; its sign pattern is the reference mask, and the output is the reference
+    output with that mask.  The (seed, offset) are recovered by re-seeding the generator and calling the op,
+    which returns them: the same generator state gives the same mask."""
     device = require_device(device)
     b, sq, sk, h, hk, d, p = 2, 50, 70, 4, 2, 64, 0.3
     q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, device)
@@ -204,10 +207,19 @@ def test_s_dmask(device, causal, window):
     assert s_dmask.shape == (b, h, sq, sk) and s_dmask.dtype == q.dtype
     assert torch.equal(~torch.signbit(s_dmask.cpu()), mask)
     visible = visibility_mask(sq, sk, causal, window, device=q.device)
-    probs_ref = torch.softmax(
-        (q.double().transpose(1, 2) @ k.double().repeat_interleave(h // hk, 2).transpose(1, 2).transpose(-1, -2)
-         * d ** -0.5).masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    assert (s_dmask.abs().double().cpu() - probs_ref.cpu()).abs().max() <= 1e-2
+    scores = (q.double().transpose(1, 2) @ k.double().repeat_interleave(h // hk, 2).transpose(1, 2).transpose(-1, -2)
+              * d ** -0.5).masked_fill(~visible, float("-inf"))                # (b, h, sq, sk)
+    probs_ref = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    lse_ref = torch.logsumexp(scores, dim=-1, keepdim=True)
+    m_first = scores.amax(-1, keepdim=True)             # keys 0..63: the maximum over both blocks (0..69)
+    m_last = scores[..., 64:].amax(-1, keepdim=True)    # keys 64..69
+    m = torch.cat([m_first.expand(-1, -1, -1, 64), m_last.expand(-1, -1, -1, sk - 64)], dim=-1)
+    scaled_ref = torch.exp(scores - m).nan_to_num(0.0)  # rows or blocks with no visible key: 0
+    got = s_dmask.abs().double().cpu()
+    assert (got - scaled_ref.cpu()).abs().max() <= 1e-2
+    normalized = (got * torch.exp(m - lse_ref).cpu()).nan_to_num(0.0)  # flash_attn's tests' normalisation
+    assert (normalized - probs_ref.cpu()).abs().max() <= 1e-2
+    assert flash_ext.flash_attn_interface._get_block_size_n(q.device, d, True, causal) == 64
     check_close(out, lse, q, k, v, causal=causal, window_size=window, dropout_p=p, dropout_mask=mask)
 
 
@@ -425,3 +437,16 @@ def test_cuda_graph_replays_draw_fresh_masks():
     torch.cuda.synchronize()
     assert torch.equal(first, eager) and torch.equal(first_rs, eager_rs)
     check_close(first, None, q, k, v, causal=True, dropout_p=0.3, dropout_mask=_ref_mask(first_rs, 0.3, 2, 4, 64, 64))
+
+
+def test_s_dmask_block_width_is_flash_attns():
+    """flash_attn's tests import _get_block_size_n from flash_attn.flash_attn_interface to undo S_dmask's
+    per-block scaling: the same table (flash_attn 2.8, its sm_80 row off CUDA), importable from the same
+    module name under flash_ext."""
+    from flash_ext.flash_attn_interface import _get_block_size_n, flash_attn_func as f
+    assert f is flash_attn_func
+    cpu = torch.device("cpu")
+    table = {(32, True, False): 128, (64, True, False): 64, (64, False, False): 128, (96, True, True): 64,
+             (128, True, False): 32, (128, False, True): 64, (160, True, False): 64, (256, True, True): 64}
+    for (d, dropout, causal), width in table.items():
+        assert _get_block_size_n(cpu, d, dropout, causal) == width, (d, dropout, causal)
