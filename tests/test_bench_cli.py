@@ -9,6 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from flash_ext import build_info as flash_ext_build_info
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--device", "cpu", "--seqlens", "64", "--headdims", "32", "--threads", "1", "--warmup", "0", "--repeats", "1",
@@ -31,6 +34,22 @@ def test_demo_runs_and_passes() -> None:
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-4000:]
     assert "all checks passed" in r.stdout and r.stdout.count("  ok  ") == 4, r.stdout[-3000:]
     assert "(measured: peak RSS" in r.stdout and "seqlen    512: naive" in r.stdout, r.stdout[-3000:]
+
+
+def test_demo_skips_head_dims_the_build_lacks(monkeypatch, capsys) -> None:
+    """A build with restricted FLASH_EXT_HOST_HEADDIMS (64 here) ran the demo's head-dim-96/128 cases into the
+    op's refusal and printed SOME CHECKS FAILED, as if a result were wrong: those cases are skipped with the
+    reason, the rest still run and decide; a build that can run none of them still fails."""
+    from flash_ext import demo
+    info = dict(flash_ext_build_info())
+    monkeypatch.setattr(demo.flash_ext, "build_info", lambda: dict(info, host_head_dims=[64]))
+    assert demo.run_checks(torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert out.count("  ok  ") == 2 and out.count("  skip  ") == 2 and "FAIL" not in out, out
+    assert "no cpu kernel for head dim 128 (compiled: [64]; build with FLASH_EXT_HOST_HEADDIMS" in out, out
+    monkeypatch.setattr(demo.flash_ext, "build_info", lambda: dict(info, host_head_dims=[32]))
+    assert not demo.run_checks(torch.device("cpu"))
+    assert "FAIL  no case ran" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mode, extra", [
