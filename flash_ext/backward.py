@@ -128,6 +128,15 @@ def flash_attn_backward(
     (the third output of ``torch.ops.flash_ext.fwd``, or the ``rng_state`` that forward was given), from which
     the backward regenerates the forward's dropout mask (same ``dropout_p`` as the forward).
     """
+    return fixed_backward_with_d(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale=softmax_scale,
+                                 causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 deterministic=deterministic, dropout_p=dropout_p, rng_state=rng_state)[0]
+
+
+def fixed_backward_with_d(dout, q, k, v, out, softmax_lse, dq, dk, dv, *, softmax_scale, causal, window_size,
+                          softcap, alibi_slopes, deterministic, dropout_p, rng_state) -> Tuple[Grads, torch.Tensor]:
+    """``flash_attn_backward``'s work, returning ``((dq, dk, dv), softmax_d)``: also for flash_attn's
+    ``_flash_attn_backward`` (flash_attn_interface.py), which returns D = rowsum(dout * out)."""
     given = (dq, dk, dv)
     (dout, q, k, v, out), unpadded, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale,
                                                                       window_size, rank=4)
@@ -136,8 +145,8 @@ def flash_attn_backward(
     if padded != head_dim and any(g is not None for g in given):
         _check_unpadded(torch.ops.flash_ext.bwd, "flash_ext.bwd", unpadded, softmax_lse, given, *options)
     written = _buffers(q, k, v, given, head_dim, padded)
-    torch.ops.flash_ext.bwd(dout, q, k, v, out, softmax_lse, *written, *options)
-    return _results(written, given, head_dim, padded)
+    softmax_d = torch.ops.flash_ext.bwd(dout, q, k, v, out, softmax_lse, *written, *options)
+    return _results(written, given, head_dim, padded), softmax_d
 
 
 @raises_argument_error
@@ -173,6 +182,18 @@ def flash_attn_varlen_backward(
     has no backward).  Keys a sequence does not use (past ``seqused_k``, or rows no sequence covers) get zero
     dk/dv.  Buffers and determinism as in ``flash_attn_backward``.
     """
+    return varlen_backward_with_d(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  deterministic=deterministic, seqused_k=seqused_k, dropout_p=dropout_p,
+                                  rng_state=rng_state)[0]
+
+
+def varlen_backward_with_d(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dq, dk, dv, *, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                           dropout_p, rng_state, seqused_k=None) -> Tuple[Grads, torch.Tensor]:
+    """``flash_attn_varlen_backward``'s work, returning ``((dq, dk, dv), softmax_d)``: also for flash_attn's
+    ``_flash_attn_varlen_backward``."""
     given = (dq, dk, dv)
     (dout, q, k, v, out), unpadded, scale, head_dim, padded = _prepare(dout, q, k, v, out, softmax_scale,
                                                                       window_size, rank=3)
@@ -183,5 +204,5 @@ def flash_attn_varlen_backward(
         _check_unpadded(torch.ops.flash_ext.varlen_bwd, "flash_ext.varlen_bwd", unpadded, softmax_lse, given,
                         *options)
     written = _buffers(q, k, v, given, head_dim, padded)
-    torch.ops.flash_ext.varlen_bwd(dout, q, k, v, out, softmax_lse, *written, *options)
-    return _results(written, given, head_dim, padded)
+    softmax_d = torch.ops.flash_ext.varlen_bwd(dout, q, k, v, out, softmax_lse, *written, *options)
+    return _results(written, given, head_dim, padded), softmax_d

@@ -45,6 +45,9 @@ def raises_argument_error(fn: F) -> F:
                                 f"{'s' if len(layouts) > 1 else ''}:" +
                                 "".join(f"\n  - {x}" for x in layouts)) from e
 
+    # inspect.getfullargspec (which code written for flash_attn uses to read its functions' parameters and
+    # defaults) does not follow __wrapped__, but reads __signature__.
+    wrapper.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
 
 

@@ -252,11 +252,22 @@ def flash_attn_func(
 
     Returns ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs=True`` returns
     ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is fp32 ``(batch, nheads, seqlen_q)`` and
-    ``S_dmask`` is an empty tensor without dropout (as flash_attn's), else (testing only) the softmax probabilities
-    ``(batch, nheads, seqlen_q, seqlen_k)`` in q's dtype with the dropped ones negated (``-0.0`` for a
-    dropped 0), recomputed after the kernel by an O(seqlen_q x seqlen_k) path (flash_ext/dropout.py).
-    Unlike flash_attn's, it is normalised and not padded to multiples of 128.
+    ``S_dmask`` is an empty tensor without dropout (as flash_attn's), else (testing only)
+    ``(batch, nheads, seqlen_q, seqlen_k)`` in q's dtype, the dropped entries negated (``-0.0`` for a dropped
+    0), scaled as flash_attn's CUDA kernel leaves it: per key block of ``_get_block_size_n`` columns,
+    ``exp(s - m_j)`` with ``m_j`` the row's maximum over that block and the blocks right of it (flash_attn's
+    tests' ``normalize_flash_attn_S`` turns it into the probabilities).  Recomputed after the kernel by an
+    O(seqlen_q x seqlen_k) path (flash_ext/dropout.py); unlike flash_attn's, not padded to multiples of 128.
     """
+    out, lse, probs, _ = forward_with_rng_state(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                                alibi_slopes, deterministic, return_attn_probs, num_splits)
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def forward_with_rng_state(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, num_splits):
+    """``flash_attn_func``'s work, returning ``(out, softmax_lse, S_dmask, rng_state)`` (S_dmask None unless
+    ``return_attn_probs``): also for flash_attn's ``_flash_attn_forward`` (flash_attn_interface.py)."""
     _check_fwd_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     q, k, v, softmax_scale, head_dim = _prepare_qkv(q, k, v, softmax_scale, rank=4)
     out, lse, rng_state = _call_forward_op(
@@ -265,12 +276,12 @@ def flash_attn_func(
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:
-        return out
+        return out, lse, None, rng_state
     probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
     if dropout_p > 0 and not _C.in_plan_only():  # explain_call: no kernel wrote lse/rng_state
         probs = s_dmask(q, k, lse, rng_state, float(dropout_p), softmax_scale, bool(causal),
                         (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes)
-    return out, lse, probs
+    return out, lse, probs, rng_state
 
 
 @raises_argument_error
@@ -356,6 +367,17 @@ def flash_attn_varlen_func(
     the sequence; ``S_dmask`` is ``(batch, nheads, max_seqlen_q, max_seqlen_k)``, zero outside each
     sequence's block.
     """
+    out, lse, probs, _ = varlen_forward_with_rng_state(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_k, num_splits)
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def varlen_forward_with_rng_state(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, block_table, seqused_k, num_splits):
+    """``flash_attn_varlen_func``'s work, returning ``(out, softmax_lse, S_dmask, rng_state)`` (S_dmask None
+    unless ``return_attn_probs``): also for flash_attn's ``_flash_attn_varlen_forward``."""
     errors = _python_arg_errors(dropout_p, window_size, softmax_scale)
     if errors:  # the op's own rules too, checked with neutral stand-ins for what failed here
         p, window, scale = _stand_ins(errors, dropout_p, window_size, softmax_scale)
@@ -377,14 +399,14 @@ def flash_attn_varlen_func(
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not return_attn_probs:
-        return out
+        return out, lse, None, rng_state
     probs = torch.empty((0,), dtype=q.dtype, device=q.device)  # flash_attn: an empty S_dmask without dropout
     if dropout_p > 0 and not _C.in_plan_only():  # explain_call: no kernel wrote lse/rng_state
         probs = s_dmask_varlen(q, k, lse, rng_state, float(dropout_p), cu_seqlens_q, cu_seqlens_k,
                                size_arg(max_seqlen_q), size_arg(max_seqlen_k), softmax_scale, bool(causal),
                                (int(window_size[0]), int(window_size[1])), float(softcap), alibi_slopes, seqused_k,
                                block_table)
-    return out, lse, probs
+    return out, lse, probs, rng_state
 
 
 @raises_argument_error

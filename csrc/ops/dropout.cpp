@@ -33,7 +33,8 @@ uint32_t keep_threshold(double dropout_p) { return uint32_t(std::floor((1.0 - dr
 
 }  // namespace
 
-void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::optional<at::Tensor> const& rng_state) {
+void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::optional<at::Tensor> const& rng_state,
+                   bool reads_state) {
   // The mask holds 1 - p to 16 bits (keep_threshold): past 1 - 2^-17 the threshold rounds to 0 and every
   // probability would be dropped, an all-zero output scaled by a huge 1 / (1 - p).
   bool const p_ok = std::isfinite(dropout_p) && dropout_p >= 0 && dropout_p < 1 && keep_threshold(dropout_p) >= 1;
@@ -42,10 +43,14 @@ void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::opti
             "probability)");
   if (rng_state.has_value()) {
     auto const& r = *rng_state;
-    FLASH_EXT_REQUIRE(c, r.dim() == 1 && r.size(0) == 2 && r.scalar_type() == at::kLong && r.device() == device,
+    // A forward without dropout returns an empty rng_state; handed back to a call without dropout (a backward
+    // fed what its forward returned), nothing reads it, so it is taken.
+    bool const unread = dropout_p == 0 && !reads_state;
+    bool const shape_ok = r.dim() == 1 && (r.size(0) == 2 || (unread && r.size(0) == 0));
+    FLASH_EXT_REQUIRE(c, shape_ok && r.scalar_type() == at::kLong && r.device() == device,
               "rng_state", str(r.scalar_type()) + " " + str(r.sizes()) + " on " + str(r.device()),
               "must be an int64 tensor of shape (2,) = (seed, offset), as a previous call returned it, on " +
-                  str(device));
+                  str(device) + (unread ? " (or the empty one a call without dropout returned)" : ""));
   }
 }
 
@@ -112,7 +117,7 @@ at::Tensor dropout_mask(at::Tensor const& rng_state, double dropout_p, int64_t b
   // the current one: tensors on cuda:1 with cuda:0 current would otherwise query, and create a context on, 0.
   c10::OptionalDeviceGuard const device_guard(cuda_device_of(rng_state));
   ArgChecker c("flash_ext.dropout_mask");
-  check_dropout(c, rng_state.device(), dropout_p, rng_state);
+  check_dropout(c, rng_state.device(), dropout_p, rng_state, /*reads_state=*/true);
   for (auto const& [name, x] : {std::pair{"batch", batch}, std::pair{"heads", heads}, std::pair{"seqlen_q", seqlen_q},
                                 std::pair{"seqlen_k", seqlen_k}}) {
     FLASH_EXT_REQUIRE(c, x >= 0 && x <= std::numeric_limits<int>::max(), name, std::to_string(x),

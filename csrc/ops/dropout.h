@@ -12,8 +12,11 @@
 
 namespace flash_ext::ops {
 
-// dropout_p in [0, 1) (flash_attn 2.8 refuses 1 too); an rng_state input is int64 (2,) on `device`.
-void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::optional<at::Tensor> const& rng_state);
+// dropout_p in [0, 1 - 2^-17] (flash_attn 2.8 refuses 1 too); an rng_state input is int64 (2,) on `device`.
+// reads_state: the caller reads rng_state even without dropout (dropout_mask); else an empty rng_state is
+// taken with dropout_p == 0.
+void check_dropout(ArgChecker& c, at::Device device, double dropout_p, std::optional<at::Tensor> const& rng_state,
+                   bool reads_state = false);
 
 // What a launch with dropout keeps alive: the rng_state output (the kernel writes the (seed, offset) it used
 // into it) and the rng_state input it reads.
