@@ -307,15 +307,68 @@ def test_bidirectional_window_stated_by_the_mask(side):
     assert_matches_eager_fp32(eager, fx, ids_for(), padding_mask(side))
 
 
-def test_packed_sequences_match_eager():
-    """Padding-free batch: three sequences in one row, told apart by position_ids restarting at 0."""
+@pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
+def test_packed_sequences_match_separate_sequences(use_cache):
+    """Padding-free batch: three sequences in one row, told apart by position_ids restarting at 0
+    (DataCollatorWithFlattening's default output), against each sequence run alone.  With use_cache at its
+    default (True) transformers' mask builders do not look for packing, so eager (the old reference of this
+    test, which therefore could not fail) lets the sequences attend to each other; flash_attention_2 reads the
+    packing from the position_ids the layers pass, and so does fx_attention."""
     eager, fx = model_pair(LlamaForCausalLM, llama_config())
     ids = ids_for()[:1]
-    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
-    ref = eager(ids, position_ids=position_ids).logits
-    got = fx(ids, position_ids=position_ids).logits
-    assert cosine(got, ref) >= 0.9999
-    assert cosine(fx(ids).logits, ref) < 0.9999      # control: the split matters
+    lengths = [4, 3, 5]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    kwargs = {} if use_cache is None else {"use_cache": use_cache}
+    with torch.no_grad():
+        separate = torch.cat([eager(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+        got = fx(ids, position_ids=position_ids, **kwargs).logits
+        assert cosine(got, separate) >= 0.9999
+        if use_cache is None:  # control: eager with a cache mixes the sequences
+            assert cosine(eager(ids, position_ids=position_ids).logits, separate) < 0.9999
+
+
+def test_cpu_autocast_runs_in_the_autocast_dtype():
+    """An fp32 model under CPU autocast: rotary embeddings (fp32) bring q and k back to fp32 while v is bf16;
+    fx_attention refused the mixed dtypes (casting only on CUDA).  Like transformers' flash path, q, k and v run
+    in the autocast dtype: bf16's rule against the fp32 model."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    ids, mask = ids_for(), padding_mask("left")
+    keep = real(mask)
+    ref = output_of(eager, ids, mask)[keep].double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = output_of(fx, ids, mask)[keep].double()
+        eager16 = output_of(eager, ids, mask)[keep].double()
+    err_fx, err_eager = (got - ref).abs().max().item(), (eager16 - ref).abs().max().item()
+    assert 0 < err_fx <= 2 * err_eager + 2.0 ** -8 * ref.abs().max().item(), (err_fx, err_eager)
+
+
+def test_sliding_window_with_a_gap_in_the_mask_is_refused():
+    """A padding token between real ones: transformers counts a sliding window in positions, flash_ext (packing
+    the real tokens) would count real tokens: refused, not answered (it differed from eager by 5.8 on logits of
+    5.1).  Without a window the gap is exact (a control that the mask itself is served)."""
+    gap = torch.ones(BATCH, SEQLEN, dtype=torch.long)
+    gap[1, 3:5] = 0
+    _, fx = model_pair(Gemma2ForCausalLM, gemma2_config())
+    with pytest.raises(ValueError, match="a row's real tokens are not contiguous .* sliding window"):
+        output_of(fx, ids_for(), gap)
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    assert_matches_eager_fp32(eager, fx, ids_for(), gap)
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+def test_gemma3_bidirectional_matches_eager(side):
+    """Gemma-3's bidirectional mode (EmbeddingGemma): its masks are unions on top of a causal mask (always True
+    for full layers; |i - j| < w for sliding ones), refused as "a union of patterns" before; read exactly now:
+    bidirectional attention and a bidirectional window of w - 1 keys per side."""
+    transformers_mod = pytest.importorskip("transformers")
+    if not hasattr(transformers_mod, "Gemma3TextModel"):
+        pytest.skip("this transformers has no Gemma-3")
+    config = transformers_mod.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention=True, initializer_range=0.2)
+    eager, fx = model_pair(transformers_mod.Gemma3TextModel, config)
+    assert_matches_eager_fp32(eager, fx, ids_for(), padding_mask(side))
 
 
 @pytest.mark.parametrize("side", [None, "left"], ids=["no_pad", "left_pad"])

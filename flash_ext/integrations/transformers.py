@@ -31,9 +31,10 @@ What the model hands over and what flash_ext makes of it
       conventions there (ModernBERT the pattern's window + 1, T5Gemma's encoder the window itself), so the
       pattern's own window is taken, not the layer's argument.
   The pattern itself is read from the mask function and checked: causal or bidirectional, a sliding window,
-  a chunked window that spans the whole input, packed sequences.  Anything else (a union of patterns such as
-  bidirectional image-token blocks, a custom ``and_mask_function``) is refused with a ``ValueError``, never
-  approximated.
+  a chunked window that spans the whole input, packed sequences, and the unions of Gemma-3's bidirectional
+  mode (``_read_union``).  Anything else (a union of patterns such as bidirectional image-token blocks, a
+  custom ``and_mask_function``) is refused with a ``ValueError``, never approximated; so is a key mask with a
+  gap inside a row under a sliding window (below).
 * ``attention_forward`` in ``AttentionInterface``: each attention layer calls it with q ``(b, h, sq, d)``,
   k/v ``(b, hk, sk, d)`` (after the KV-cache update, so ``sk >= sq``) and that mask.  Causality comes from
   the ``is_causal`` argument or ``module.is_causal``; flash_ext's causal mask is aligned bottom-right, which
@@ -45,21 +46,24 @@ What the model hands over and what flash_ext makes of it
     - a key mask, bidirectional without a window: only the keys are packed; every query row attends to the
       real keys of its batch entry.  This is also right for cross-attention, where the mask describes the encoder's tokens and
       says nothing about the queries;
-    - ``PackedSequences`` or the ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments of a padding-free
-      batch: ``flash_attn_varlen_func`` on the flattened tokens.
+    - ``PackedSequences``, the ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments of a padding-free
+      batch, or (no mask, no such arguments) a single row whose ``position_ids`` restart, as flash_attention_2
+      reads them (``_packed_from_position_ids``): ``flash_attn_varlen_func`` on the flattened tokens.
   ``scaling``, ``sliding_window`` (the model's convention: a window of ``w`` keys ends at the query, so
   flash_ext's ``window_size=(w - 1, 0)``, or ``(w - 1, w - 1)`` bidirectional without a
   ``BidirectionalWindow``; with one, its ``(w, w)``: keys at distance ``<= w``), ``softcap`` (Gemma-2) and
   ``dropout`` (training) are passed through; the backward is flash_ext's (training works).  With padding, a
   sliding window counts real tokens, not positions (queries and keys are both packed): the same as eager
-  attention whenever each row's real tokens are contiguous (left or right padding).
+  attention whenever each row's real tokens are contiguous (left or right padding); a mask with a gap inside
+  a row is refused when the pattern has a window.
 
 Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be
 expressed), a model that folds ALiBi into its mask (Falcon's ``config.alibi``, refused when the mask is
 asked for), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
 on CUDA (flash_ext's CUDA kernels take fp16/bf16; load the model in bf16 or run under ``torch.autocast``).
-fp32 activations in a half-precision model on CUDA (fp32 layer norms) run in the weights' dtype, as in
-transformers' own flash-attention path; on the CPU fp32 runs as fp32.
+Under ``torch.autocast`` (CPU or CUDA) q, k and v run in the autocast dtype; fp32 or mixed activations in a
+half-precision model (fp32 layer norms, fp32 rotary) run in the weights' dtype, as in transformers' own
+flash-attention path; on the CPU an fp32 model runs in fp32.
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ import dataclasses
 import importlib
 import inspect
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -199,15 +204,18 @@ def _read_pattern(mask_function: Callable, catalogue: Dict[Any, str]) -> Dict[st
     "packed": tensor|None}``; raises for any block that is not a causal/bidirectional base, an intersection,
     a sliding window, a chunk or a packed-sequence split (all of which the flash_ext call reproduces)."""
     found: Dict[str, Any] = {"causal": False, "chunk_size": None, "packed": None, "remap": False,
-                             "bidirectional_window": None}
+                             "bidirectional_window": None, "window": False}
     stack = [mask_function]
     while stack:
         fn = stack.pop()
         kind = catalogue.get(fn) or catalogue.get(getattr(fn, "__code__", None))
         if kind == "causal":
             found["causal"] = True
-        elif kind in ("bidirectional", "window"):
-            pass  # a causal window: the layer's sliding_window argument, whose convention models share
+        elif kind == "bidirectional":
+            pass
+        elif kind == "window":
+            # the call's width is the layer's sliding_window argument, whose convention models share
+            found["window"] = int(_closure_vars(fn)["sliding_window"])
         elif kind == "bidirectional_window":
             found["bidirectional_window"] = int(_closure_vars(fn)["sliding_window"])
         elif kind == "and":
@@ -220,12 +228,77 @@ def _read_pattern(mask_function: Callable, catalogue: Dict[Any, str]) -> Dict[st
         elif kind == "packed":
             found["packed"] = _closure_vars(fn)["packed_sequence_mask"]
         elif kind == "or":
-            raise _unsupported_pattern(fn, "a union of patterns, e.g. bidirectional blocks inside a causal mask")
+            union = _read_union(fn, catalogue)
+            if union is not None:
+                found["bidirectional_window"] = union  # None: every key (plain bidirectional attention)
         else:
             raise _unsupported_pattern(fn, "an unrecognised mask predicate")
     if found["remap"] and found["packed"] is None:
         raise _unsupported_pattern(mask_function, "positions remapped without a packed-sequence split")
     return found
+
+
+def _probe(fn: Callable, n: int) -> Optional[torch.Tensor]:
+    """``fn`` evaluated on query and key indices ``0 ... n-1`` (batch 0, head 0): a bool tensor broadcast to
+    ``(n, n)``, or None when it fails or returns something else."""
+    idx = torch.arange(n)
+    try:
+        out = fn(torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :])
+    except Exception:  # noqa: BLE001 - a predicate that needs other inputs: not recognised
+        return None
+    if isinstance(out, bool):
+        out = torch.tensor(out)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        return None
+    return out if out.dim() == 0 else (out.expand(n, n) if out.shape[-2:] in ((n, n), (1, n), (n, 1)) else None)
+
+
+def _everything(fn: Callable) -> bool:
+    """A predicate that ignores the indices and is True (``lambda *args: torch.tensor(True)``, Gemma-3's
+    bidirectional mode): on index tensors of shape (n, 1) and (1, n) it returns one 0-d True."""
+    out = _probe(fn, 8)
+    return out is not None and out.dim() == 0 and bool(out)
+
+
+def _distance_below(fn: Callable) -> Optional[int]:
+    """The radius ``r`` of a model's own bidirectional-window overlay ``|q - kv| < sliding_window`` (Gemma-3's
+    ``_bidirectional_window_overlay``, copied by other models), keys at distance ``<= r``; None for any other
+    predicate.  Recognised by its name and integer parameter, and its values checked on a grid."""
+    if getattr(fn, "__qualname__", "") != "_bidirectional_window_overlay.<locals>.inner_mask":
+        return None
+    width = _closure_vars(fn).get("sliding_window")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        return None
+    n = 3 * width + 3
+    out, idx = _probe(fn, n), torch.arange(n)
+    expected = (idx[:, None] - idx[None, :]).abs() < width
+    return width - 1 if out is not None and out.dim() == 2 and torch.equal(out, expected) else None
+
+
+def _read_union(fn: Callable, catalogue: Dict[Any, str]) -> Optional[int]:
+    """The union (``or_masks``) that bidirectional modes build on top of a causal mask, read exactly:
+
+    * with an operand that is always True (Gemma-3's full layers): every key; returns None;
+    * a causal sliding window of ``w`` keys (``|q - kv| <= w - 1`` on the left) with a bidirectional window of
+      radius ``r >= w - 1`` (Gemma-3's sliding layers): the bidirectional window; returns ``r``.
+
+    Any other union (bidirectional image-token blocks inside a causal mask, custom overlays) is refused."""
+    operands = list(_closure_vars(fn).get("mask_functions", ()))
+    if any(_everything(op) for op in operands):
+        return None
+    radius = []
+    for op in operands:
+        r = _distance_below(op)
+        if r is None and catalogue.get(getattr(op, "__code__", None)) == "bidirectional_window":
+            r = int(_closure_vars(op)["sliding_window"])
+        radius.append(r)
+    if len(operands) == 2 and sum(r is not None for r in radius) == 1:
+        r = next(x for x in radius if x is not None)
+        base = _read_pattern(operands[radius.index(None)], catalogue)
+        if (base["causal"] and base["window"] and base["window"] - 1 <= r and base["packed"] is None
+                and base["chunk_size"] is None and base["bidirectional_window"] is None):
+            return r
+    raise _unsupported_pattern(fn, "a union of patterns, e.g. bidirectional blocks inside a causal mask")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -312,9 +385,30 @@ def _key_mask(parts: Dict[str, Any], pattern: Dict[str, Any], batch_size: int, q
         return None
     else:
         keys = torch.ones(batch_size, end - kv_offset, dtype=torch.bool, device=device)
+    if pattern["window"] or pattern["bidirectional_window"] is not None:
+        _refuse_gaps_under_a_window(parts, keys)
     if keys.shape[-1] == kv_length and not parts["is_tracing"](keys) and bool(keys.all()):
         return None  # no padding: one read-back per forward buys the dense kernel for every layer
     return keys
+
+
+_GAP_MESSAGE = (f"{_ERR}: attention_mask: a row's real tokens are not contiguous (a padding token between two real "
+                f"ones) in a model with a sliding window: transformers counts the window in positions, padding "
+                f"included, while flash_ext packs the real tokens and would count it in real tokens (a different "
+                f"result where the gap falls inside a window; transformers' flash_attention_2 does the same silently); "
+                f"pad on one side only (left or right), or use attn_implementation='sdpa' or 'eager'")
+
+
+def _refuse_gaps_under_a_window(parts: Dict[str, Any], keys: torch.Tensor) -> None:
+    """A sliding window over a key mask with a gap inside a row: refused (attention_forward packs the real
+    tokens, which is exact for left or right padding only).  One read-back per forward; in a traced graph an
+    asynchronous assertion (a RuntimeError when the graph runs) instead."""
+    starts = keys[:, :1].sum(-1) + (keys[:, 1:] & ~keys[:, :-1]).sum(-1)   # runs of real tokens per row
+    contiguous = (starts <= 1).all()
+    if parts["is_tracing"](keys):
+        torch._assert_async(contiguous, _GAP_MESSAGE)
+    elif not bool(contiguous):
+        raise ValueError(_GAP_MESSAGE)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,19 +418,28 @@ def _key_mask(parts: Dict[str, Any], pattern: Dict[str, Any], batch_size: int, q
 _warned_output_attentions = False
 
 
-def _compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> Optional[torch.dtype]:
-    """The dtype to run in when it is not q's own: fp32 on CUDA becomes the autocast dtype or the dtype of
-    the model's half-precision weights (transformers does the same for its flash-attention path; fp32
-    activations in a bf16 model come from fp32 layer norms).  ValueError when there is neither."""
-    if query.dtype != torch.float32 or query.device.type != "cuda":
+def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   module: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype to run in when q, k and v are not already one dtype the kernels take, as transformers' own
+    flash-attention path decides it on every device: fp32 among them under ``torch.autocast`` (of their
+    device type) becomes the autocast dtype (rotary embeddings in fp32 bring q and k back to fp32 while v stays
+    in the autocast dtype); otherwise mixed dtypes, or fp32 on CUDA, become the dtype of the model's
+    half-precision weights (fp32 activations in a bf16 model come from fp32 layer norms).  Mixed dtypes with
+    fp32 weights run in fp32 on the CPU; on CUDA, fp32 without either is a ValueError."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    device = query.device.type
+    if torch.float32 in dtypes and device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    if len(dtypes) == 1 and not (device == "cuda" and query.dtype == torch.float32):
         return None
-    if torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
     linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
     if linear is not None and linear.weight.dtype in (torch.float16, torch.bfloat16):
         return linear.weight.dtype
-    raise ValueError(f"{_ERR}: query: got float32 on CUDA; flash_ext's CUDA kernels take float16/bfloat16: "
-                     f"load the model with dtype=torch.bfloat16 (or float16), or run it under torch.autocast")
+    if device != "cuda":
+        return torch.float32
+    raise ValueError(f"{_ERR}: query/key/value: got {query.dtype}/{key.dtype}/{value.dtype} on CUDA; flash_ext's "
+                     f"CUDA kernels take float16/bfloat16: load the model with dtype=torch.bfloat16 (or float16), or "
+                     f"run it under torch.autocast")
 
 
 def _window(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> Tuple[int, int]:
@@ -386,9 +489,11 @@ def attention_forward(
         mask, stated_window = mask.keys, mask.window
     if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or mask.is_floating_point()):
         errors.append(f"attention_mask: got a {mask.dim()}-D {mask.dtype} tensor {tuple(mask.shape)}; flash_ext takes "
-                      "a 2-D padding mask (batch, seqlen) only, it cannot apply an arbitrary (e.g. 4-D additive) mask "
-                      "such as a position bias the model folds into the mask (Falcon's alibi=True); pass the 2-D mask, "
-                      "or use attn_implementation='sdpa' or 'eager' for custom masks and additive biases")
+                      "a 2-D padding mask (batch, seqlen) only, it cannot apply an arbitrary (e.g. 4-D) mask: one the "
+                      "caller or the model builds itself (a model that passes cu_seq_lens only to implementations "
+                      "named 'flash...', such as Pixtral's vision tower, builds a block mask for every other name) or "
+                      "an additive bias folded into it; pass the 2-D mask, or use attn_implementation='sdpa' or "
+                      "'eager' for such models")
     elif mask is not None and not isinstance(mask, (torch.Tensor, PackedSequences)):
         errors.append(f"attention_mask: got {type(mask).__name__}; must be None, a 2-D padding mask or "
                       f"PackedSequences (what {DEFAULT_NAME}'s mask function returns)")
@@ -403,7 +508,7 @@ def attention_forward(
     batch, heads, seqlen_q, head_dim = query.shape
     seqlen_k, v_dim = key.shape[2], value.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))        # (b, s, h, d): flash_attn's layout
-    target = _compute_dtype(query, module)
+    target = _compute_dtype(query, key, value, module)
     if target is not None:
         q, k, v = q.to(target), k.to(target), v.to(target)
     # One head dim for q, k and v: zero columns change neither q.k nor the output columns that are kept.
@@ -423,6 +528,8 @@ def attention_forward(
     )
 
     varlen_kwargs = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    if mask is None and not all(x is not None for x in varlen_kwargs):
+        mask = _packed_from_position_ids(kwargs.get("position_ids"), batch, seqlen_q, seqlen_k)
     if isinstance(mask, PackedSequences):
         if not (seqlen_q == seqlen_k == mask.seqlen and batch == mask.batch):
             raise ValueError(f"{_ERR}.attention_forward: attention_mask: packed sequences of shape ({mask.batch}, "
@@ -439,6 +546,41 @@ def attention_forward(
     if out.shape[-1] != v_dim:
         out = out[..., :v_dim]
     return out, None
+
+
+_position_ids_seen: Tuple[Any, int, Optional[PackedSequences]] = (None, -1, None)
+
+
+def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
+                              seqlen_k: int) -> Optional[PackedSequences]:
+    """Packed sequences told apart only by ``position_ids`` (``DataCollatorWithFlattening``'s default output),
+    found as transformers' flash_attention_2 finds them: one row of more than one token whose positions are not
+    consecutive.  transformers' mask builders look for packing only without a cache, so with ``use_cache``
+    (the default, also in training) eager attention lets such sequences attend to each other; flash_attention_2
+    does not, nor does this.  A new sequence starts wherever the position does not increase by 1 (the mask
+    builders' rule).  The check reads the positions back once per forward (the decoder layers share the
+    tensor); in a traced graph it is skipped (eager attention's semantics: pass ``cu_seq_lens_*``, e.g.
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``, or ``use_cache=False``)."""
+    global _position_ids_seen
+    if not (isinstance(position_ids, torch.Tensor) and batch == 1 and 1 < seqlen_q == seqlen_k
+            and position_ids.dim() == 2 and tuple(position_ids.shape) == (1, seqlen_q)
+            and not position_ids.is_floating_point()):
+        return None
+    if _transformers()["is_tracing"](position_ids):
+        return None
+    seen, version, packed = _position_ids_seen
+    if seen is not None and seen() is position_ids and version == position_ids._version:
+        return packed
+    positions = position_ids[0]
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] - positions[:-1] != 1
+    packed = None
+    if bool(starts[1:].any()):
+        begin = torch.nonzero(starts, as_tuple=False).flatten()
+        end = torch.tensor([seqlen_q], device=begin.device, dtype=begin.dtype)
+        packed = PackedSequences(torch.cat([begin, end]).to(torch.int32), seqlen_q, 1, seqlen_q)
+    _position_ids_seen = (weakref.ref(position_ids), position_ids._version, packed)
+    return packed
 
 
 def _varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, common) -> torch.Tensor:
