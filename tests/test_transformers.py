@@ -390,11 +390,79 @@ def test_torch_compile_forward(side):
 # ---------------------------------------------------------------------------------------------------------
 # what it cannot serve: an error, not an answer
 
+def test_pixtral_block_mask_matches_eager():
+    """Pixtral's vision tower hands implementations without "flash" in their name a dense block-diagonal mask
+    (one block per image) instead of cu_seq_lens: read exactly as packed sequences (it was refused)."""
+    transformers_mod = pytest.importorskip("transformers")
+    if not hasattr(transformers_mod, "PixtralVisionModel"):
+        pytest.skip("this transformers has no Pixtral")
+    config = transformers_mod.PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=4, image_size=32, patch_size=8, head_dim=16,
+                                                  initializer_range=0.2)
+    eager, fx = model_pair(transformers_mod.PixtralVisionModel, config)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    sizes = torch.tensor([[32, 32], [16, 24]])                      # two images: blocks of 16 and 6 patches
+    with torch.no_grad():
+        ref = eager(pixel_values=pixels, image_sizes=sizes).last_hidden_state
+        got = fx(pixel_values=pixels, image_sizes=sizes).last_hidden_state
+        one_block = fx(pixel_values=pixels[:1], image_sizes=sizes[:1]).last_hidden_state
+    assert ref.shape == got.shape == (1, 22, 64) and cosine(got, ref) >= 0.9999
+    assert cosine(got[:, :16], one_block) >= 0.9999 and cosine(got, got.flip(1)) < 0.9999
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "causal"])
+def test_dense_block_masks_against_a_reference(kind):
+    """The dense-mask reader against softmax over the mask itself (float64): blocks of 3, 5 and 4 tokens per
+    row, a second batch row with other blocks; bool, additive (0 / finfo.min) and causal-inside-blocks masks."""
+    class Module(torch.nn.Module):
+        is_causal = False  # the mask states causality: the layer's flag must not override it
+
+    torch.manual_seed(0)
+    b, h, s, d = 2, 2, 12, 16
+    allowed = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    for row, lengths in enumerate(([3, 5, 4], [7, 1, 4])):
+        start = 0
+        for n in lengths:
+            allowed[row, 0, start:start + n, start:start + n] = True
+            start += n
+    if kind == "causal":
+        allowed &= torch.ones(s, s, dtype=torch.bool).tril()
+    mask = allowed if kind != "additive" else torch.zeros(b, 1, s, s).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    got, _ = fx_hf.attention_forward(Module(), q.float(), k.float(), v.float(), mask, scaling=d ** -0.5)
+    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
+    ref = (torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v).transpose(1, 2)
+    assert (got.double() - ref).abs().max() < 1e-5
+
+
+def test_dense_masks_that_are_not_blocks_are_refused():
+    """Off-block entries, a bias value, a row that sees nothing: refused, not approximated."""
+    q = torch.randn(1, 2, 8, 16)
+    blocks = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    blocks[..., :4, :4] = blocks[..., 4:, 4:] = True
+    extra = blocks.clone()
+    extra[..., 5, 1] = True
+    biased = torch.zeros(1, 1, 8, 8).masked_fill(~blocks, float("-inf"))
+    biased[..., 0, 0] = -0.5
+    empty = blocks.clone()
+    empty[..., 6, :] = False
+    for bad in (extra, biased, empty):
+        with pytest.raises(ValueError, match="attention_mask: got a 4-D"):
+            fx_hf.attention_forward(torch.nn.Module(), q, q, q, bad)
+
+
 def test_4d_mask_is_refused():
-    _, fx = model_pair(LlamaForCausalLM, llama_config())
-    additive = torch.zeros(BATCH, 1, SEQLEN, SEQLEN)
+    """A user's 4-D mask that is not block-diagonal (a band) is refused; one that is (here all zeros: one block,
+    every key, which eager applies as it is, causal model or not) is served as eager serves it."""
+    eager, fx = model_pair(LlamaForCausalLM, llama_config())
+    i = torch.arange(SEQLEN)
+    band = torch.zeros(BATCH, 1, SEQLEN, SEQLEN).masked_fill((i[:, None] - i[None, :]).abs() > 2,
+                                                             torch.finfo(torch.float32).min)
     with pytest.raises(ValueError, match="attention_mask: got a 4-D torch.float32 tensor"):
-        fx(ids_for(), attention_mask=additive)
+        fx(ids_for(), attention_mask=band)
+    every_key = torch.zeros(BATCH, 1, SEQLEN, SEQLEN)
+    ref, got = output_of(eager, ids_for(), every_key), output_of(fx, ids_for(), every_key)
+    assert cosine(got, ref) >= 0.9999 and cosine(got, output_of(fx, ids_for(), None)) < 0.9999
 
 
 def test_union_pattern_is_refused():

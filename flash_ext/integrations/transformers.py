@@ -57,7 +57,9 @@ What the model hands over and what flash_ext makes of it
   attention whenever each row's real tokens are contiguous (left or right padding); a mask with a gap inside
   a row is refused when the pattern has a window.
 
-Refused with a ``ValueError`` naming the argument: a 4-D or float mask (arbitrary additive masks cannot be
+A dense ``(batch, 1, s, s)`` mask a model builds itself (Pixtral's vision tower: one block per image) runs as
+packed sequences when it is block-diagonal (``_block_diagonal``, checked exactly).  Refused with a
+``ValueError`` naming the argument: any other 4-D or float mask (arbitrary additive masks cannot be
 expressed), a model that folds ALiBi into its mask (Falcon's ``config.alibi``, refused when the mask is
 asked for), attention sinks (``s_aux``), position biases, paged (continuous-batching) caches, an fp32 model
 on CUDA (flash_ext's CUDA kernels take fp16/bf16; load the model in bf16 or run under ``torch.autocast``).
@@ -487,6 +489,11 @@ def attention_forward(
     stated_window = None  # a bidirectional window the mask pattern states (BidirectionalWindow)
     if isinstance(mask, BidirectionalWindow):
         mask, stated_window = mask.keys, mask.window
+    mask_causal = None  # the causality a dense block mask states (it, not the layer's flag, is eager's truth)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and query.dim() == 4:
+        blocks = _block_diagonal(mask, query.shape[0], query.shape[2], key.shape[2])
+        if blocks is not None:
+            mask, mask_causal = blocks
     if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or mask.is_floating_point()):
         errors.append(f"attention_mask: got a {mask.dim()}-D {mask.dtype} tensor {tuple(mask.shape)}; flash_ext takes "
                       "a 2-D padding mask (batch, seqlen) only, it cannot apply an arbitrary (e.g. 4-D) mask: one the "
@@ -505,6 +512,8 @@ def attention_forward(
                       "returned as None (use attn_implementation='eager' to get them)", stacklevel=2)
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if mask_causal is not None:
+        causal, sliding_window, stated_window = mask_causal, None, None  # the mask states the whole pattern
     batch, heads, seqlen_q, head_dim = query.shape
     seqlen_k, v_dim = key.shape[2], value.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))        # (b, s, h, d): flash_attn's layout
@@ -546,6 +555,48 @@ def attention_forward(
     if out.shape[-1] != v_dim:
         out = out[..., :v_dim]
     return out, None
+
+
+def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
+                    seqlen_k: int) -> Optional[Tuple[PackedSequences, bool]]:
+    """A dense ``(batch, 1, s, s)`` mask that models build themselves for names without "flash" (Pixtral's vision
+    tower: one block per image), read exactly when it is block-diagonal: every row sees one contiguous block
+    of its row's tokens, the blocks tile the row, optionally causal inside each block.  The mask is boolean
+    (True = attend) or additive with only 0 and masked values (-inf or the dtype's minimum: no bias).  Returns
+    ``(PackedSequences, causal)``, or None for any other mask (refused by the caller), a row that sees no key,
+    or in a traced graph (the check reads the mask back)."""
+    if not (mask.shape[0] == batch and mask.shape[1] == 1 and seqlen_q == seqlen_k
+            and tuple(mask.shape[-2:]) == (seqlen_q, seqlen_k)) or _transformers()["is_tracing"](mask):
+        return None
+    m = mask[:, 0]
+    if m.dtype == torch.bool:
+        allowed = m
+    elif m.is_floating_point():
+        allowed = m == 0
+        if not bool((allowed | (m <= torch.finfo(m.dtype).min)).all()):
+            return None  # values other than 0 and masked: an additive bias
+    else:
+        return None
+    s = seqlen_q
+    idx = torch.arange(s, device=m.device)
+    if not bool(allowed.any(-1).all()):
+        return None
+    first = torch.where(allowed, idx, s).amin(-1)                           # (b, s): each row's first key
+    starts = first == idx                                                   # rows that open a block
+    if not torch.equal(first, torch.cummax(torch.where(starts, idx, 0), -1).values):
+        return None  # a row's first key is not the start of its block
+    following = torch.cat([torch.where(starts, idx, s)[:, 1:], torch.full_like(first[:, :1], s)], -1)
+    last = following.flip(-1).cummin(-1).values.flip(-1) - 1                # (b, s): the end of each row's block
+    block = (idx >= first[..., None]) & (idx <= last[..., None])            # (b, s, s)
+    if torch.equal(allowed, block):
+        causal = False
+    elif torch.equal(allowed, block & (idx[None, :] <= idx[:, None])):
+        causal = True
+    else:
+        return None
+    begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
+    end = torch.tensor([batch * s], device=begin.device, dtype=begin.dtype)
+    return PackedSequences(torch.cat([begin, end]).to(torch.int32), s, batch, s), causal
 
 
 _position_ids_seen: Tuple[Any, int, Optional[PackedSequences]] = (None, -1, None)
