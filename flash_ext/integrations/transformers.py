@@ -505,7 +505,9 @@ def attention_forward(
         errors.append(f"attention_mask: got {type(mask).__name__}; must be None, a 2-D padding mask or "
                       f"PackedSequences (what {DEFAULT_NAME}'s mask function returns)")
     if errors:
-        raise ValueError(f"{_ERR}.attention_forward: " + "; ".join(errors))
+        raise ValueError(f"{_ERR}.attention_forward: " + "; ".join(errors)
+                         + ("" if "'eager'" in errors[-1] else
+                            "; load this model with attn_implementation='sdpa' or 'eager' instead"))
     if kwargs.get("output_attentions") and not _warned_output_attentions:
         _warned_output_attentions = True
         warnings.warn(f"{_ERR}: output_attentions=True: flash_ext never forms the attention weights; they are "
