@@ -498,7 +498,7 @@ def test_unsupported_arguments_are_refused():
     kv = torch.randn(2, 2, 5, 16)
     with pytest.raises(ValueError, match="s_aux: given"):
         fx_hf.attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(4))
-    with pytest.raises(ValueError, match="position_bias: given"):
+    with pytest.raises(ValueError, match="position_bias: given; flash_ext has no additive position bias; load this model with attn_implementation=.sdpa. or .eager. instead"):
         fx_hf.attention_forward(module, q, kv, kv, None, position_bias=torch.zeros(1, 4, 5, 5))
     with pytest.raises(ValueError, match="attention_mask: got a 2-D torch.float32"):
         fx_hf.attention_forward(module, q, kv, kv, torch.zeros(2, 5))
