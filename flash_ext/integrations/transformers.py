@@ -387,7 +387,11 @@ def _key_mask(parts: Dict[str, Any], pattern: Dict[str, Any], batch_size: int, q
         return None
     else:
         keys = torch.ones(batch_size, end - kv_offset, dtype=torch.bool, device=device)
-    if pattern["window"] or pattern["bidirectional_window"] is not None:
+    # A window that spans every key pair (w keys ending at the query; a radius r) hides nothing, gap or not.
+    span = keys.shape[-1]
+    causal_hides = bool(pattern["window"]) and span > pattern["window"]
+    bidirectional_hides = pattern["bidirectional_window"] is not None and span - 1 > pattern["bidirectional_window"]
+    if causal_hides or bidirectional_hides:
         _refuse_gaps_under_a_window(parts, keys)
     if keys.shape[-1] == kv_length and not parts["is_tracing"](keys) and bool(keys.all()):
         return None  # no padding: one read-back per forward buys the dense kernel for every layer
