@@ -12,6 +12,7 @@ from .backward import flash_attn_backward, flash_attn_varlen_backward
 from .emulate import emulate, emulator_report
 from .errors import ArgumentError
 from .explain import Explanation, explain, explain_call
+from .flash_attn_alias import install_as_flash_attn
 from .kvcache import flash_attn_with_kvcache
 from .interface import (
     flash_attn_func,
@@ -28,7 +29,7 @@ __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info",
     "compiled_kernels", "explain", "explain_call", "Explanation", "emulate", "emulator_report", "flash_attn_backward",
-    "flash_attn_varlen_backward", "ArgumentError",
+    "flash_attn_varlen_backward", "ArgumentError", "install_as_flash_attn",
 ]
 
 
