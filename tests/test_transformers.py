@@ -325,6 +325,9 @@ def test_packed_sequences_match_separate_sequences(use_cache):
         assert cosine(got, separate) >= 0.9999
         if use_cache is None:  # control: eager with a cache mixes the sequences
             assert cosine(eager(ids, position_ids=position_ids).logits, separate) < 0.9999
+    with torch.inference_mode():  # inference tensors keep no version counter: reading it raised
+        assert cosine(fx(ids, position_ids=position_ids, **kwargs).logits, separate) >= 0.9999
+        assert cosine(fx(ids[:, :7]).logits, eager(ids[:, :7]).logits) >= 0.9999  # a plain prompt: one sequence
 
 
 def test_cpu_autocast_runs_in_the_autocast_dtype():

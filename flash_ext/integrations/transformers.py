@@ -625,8 +625,11 @@ def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
         return None
     if _transformers()["is_tracing"](position_ids):
         return None
-    seen, version, packed = _position_ids_seen
-    if seen is not None and seen() is position_ids and version == position_ids._version:
+    # Inference tensors (torch.inference_mode, e.g. transformers' pipelines) keep no version counter: read
+    # every time, not remembered.
+    version = -1 if position_ids.is_inference() else position_ids._version
+    seen, seen_version, packed = _position_ids_seen
+    if version >= 0 and seen is not None and seen() is position_ids and seen_version == version:
         return packed
     positions = position_ids[0]
     starts = torch.ones_like(positions, dtype=torch.bool)
@@ -636,7 +639,8 @@ def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
         begin = torch.nonzero(starts, as_tuple=False).flatten()
         end = torch.tensor([seqlen_q], device=begin.device, dtype=begin.dtype)
         packed = PackedSequences(torch.cat([begin, end]).to(torch.int32), seqlen_q, 1, seqlen_q)
-    _position_ids_seen = (weakref.ref(position_ids), position_ids._version, packed)
+    if version >= 0:
+        _position_ids_seen = (weakref.ref(position_ids), version, packed)
     return packed
 
 
