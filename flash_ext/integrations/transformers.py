@@ -563,6 +563,30 @@ def attention_forward(
     return out, None
 
 
+class _LastRead:
+    """What a reader of a model-wide tensor (``position_ids``, a dense mask) found for the tensor it last read,
+    so the layers of one forward, which share the tensor, pay for one read (a device read-back) instead of
+    one each.  Keyed by identity and version counter; inference tensors (``torch.inference_mode``, as
+    transformers' pipelines run) keep no version counter and are read every time."""
+
+    def __init__(self) -> None:
+        self._entry: Tuple[Any, int, Any] = (None, -1, None)
+
+    def get(self, tensor: torch.Tensor, read: Callable[[], Any]) -> Any:
+        version = -1 if tensor.is_inference() else tensor._version
+        seen, seen_version, value = self._entry
+        if version >= 0 and seen is not None and seen() is tensor and seen_version == version:
+            return value
+        value = read()
+        if version >= 0:
+            self._entry = (weakref.ref(tensor), version, value)
+        return value
+
+
+_position_ids_read = _LastRead()
+_dense_mask_read = _LastRead()
+
+
 def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
                     seqlen_k: int) -> Optional[Tuple[PackedSequences, bool]]:
     """A dense ``(batch, 1, s, s)`` mask that models build themselves for names without "flash" (Pixtral's vision
@@ -574,6 +598,10 @@ def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
     if not (mask.shape[0] == batch and mask.shape[1] == 1 and seqlen_q == seqlen_k
             and tuple(mask.shape[-2:]) == (seqlen_q, seqlen_k)) or _transformers()["is_tracing"](mask):
         return None
+    return _dense_mask_read.get(mask, lambda: _read_blocks(mask, batch, seqlen_q))
+
+
+def _read_blocks(mask: torch.Tensor, batch: int, s: int) -> Optional[Tuple[PackedSequences, bool]]:
     m = mask[:, 0]
     if m.dtype == torch.bool:
         allowed = m
@@ -583,7 +611,6 @@ def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
             return None  # values other than 0 and masked: an additive bias
     else:
         return None
-    s = seqlen_q
     idx = torch.arange(s, device=m.device)
     if not bool(allowed.any(-1).all()):
         return None
@@ -605,9 +632,6 @@ def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
     return PackedSequences(torch.cat([begin, end]).to(torch.int32), s, batch, s), causal
 
 
-_position_ids_seen: Tuple[Any, int, Optional[PackedSequences]] = (None, -1, None)
-
-
 def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
                               seqlen_k: int) -> Optional[PackedSequences]:
     """Packed sequences told apart only by ``position_ids`` (``DataCollatorWithFlattening``'s default output),
@@ -618,30 +642,23 @@ def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
     builders' rule).  The check reads the positions back once per forward (the decoder layers share the
     tensor); in a traced graph it is skipped (eager attention's semantics: pass ``cu_seq_lens_*``, e.g.
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``, or ``use_cache=False``)."""
-    global _position_ids_seen
     if not (isinstance(position_ids, torch.Tensor) and batch == 1 and 1 < seqlen_q == seqlen_k
             and position_ids.dim() == 2 and tuple(position_ids.shape) == (1, seqlen_q)
             and not position_ids.is_floating_point()):
         return None
     if _transformers()["is_tracing"](position_ids):
         return None
-    # Inference tensors (torch.inference_mode, e.g. transformers' pipelines) keep no version counter: read
-    # every time, not remembered.
-    version = -1 if position_ids.is_inference() else position_ids._version
-    seen, seen_version, packed = _position_ids_seen
-    if version >= 0 and seen is not None and seen() is position_ids and seen_version == version:
-        return packed
-    positions = position_ids[0]
+    return _position_ids_read.get(position_ids, lambda: _read_restarts(position_ids[0]))
+
+
+def _read_restarts(positions: torch.Tensor) -> Optional[PackedSequences]:
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[1:] = positions[1:] - positions[:-1] != 1
-    packed = None
-    if bool(starts[1:].any()):
-        begin = torch.nonzero(starts, as_tuple=False).flatten()
-        end = torch.tensor([seqlen_q], device=begin.device, dtype=begin.dtype)
-        packed = PackedSequences(torch.cat([begin, end]).to(torch.int32), seqlen_q, 1, seqlen_q)
-    if version >= 0:
-        _position_ids_seen = (weakref.ref(position_ids), version, packed)
-    return packed
+    if not bool(starts[1:].any()):
+        return None
+    begin = torch.nonzero(starts, as_tuple=False).flatten()
+    end = torch.tensor([positions.numel()], device=begin.device, dtype=begin.dtype)
+    return PackedSequences(torch.cat([begin, end]).to(torch.int32), positions.numel(), 1, positions.numel())
 
 
 def _varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, common) -> torch.Tensor:
