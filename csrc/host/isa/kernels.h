@@ -121,7 +121,9 @@ FLASH_EXT_INLINE vh to_bf16_bits(vf x) { return __builtin_convertvector(to_bf16_
 #if !FLASH_EXT_ISA_HAS_TRANSPOSE
 FLASH_EXT_INLINE void vtranspose(vu const* in, vu* out) {
   for (int j = 0; j < kLanes; ++j) {
-    for (int i = 0; i < kLanes; ++i) { out[j][i] = in[i][j]; }
+    vu column{};  // built whole, then stored: lane stores into out[j] read it first (GCC: maybe-uninitialized)
+    for (int i = 0; i < kLanes; ++i) { column[i] = in[i][j]; }
+    out[j] = column;
   }
 }
 #endif
