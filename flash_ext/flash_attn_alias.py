@@ -8,10 +8,14 @@ whole process.  Refused when a real flash_attn is already imported (modules hold
 them: two implementations in one process).  The alias's ``__version__`` is the flash_attn API level flash_ext
 implements ("2.8.3"); ``__flash_ext__`` marks it as the alias.  Code that asks the package metadata
 (``importlib.metadata.version("flash_attn")``, as transformers does before choosing flash_attention_2) still
-finds no flash_attn distribution: for transformers use ``flash_ext.integrations.transformers``.
+finds no flash_attn distribution: for transformers use ``flash_ext.integrations.transformers``.  Only the three
+modules exist under the name: with a real flash_attn installed, its other modules (``flash_attn.layers``,
+``flash_attn.ops``, ``flash_attn.modules``, ...) are hidden while the alias is in place.  The alias lives in
+``sys.modules`` of this process: a process started with ``spawn`` calls it again.
 """
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
@@ -30,15 +34,21 @@ def install_as_flash_attn() -> types.ModuleType:
     from . import bert_padding, flash_attn_interface
 
     present = sys.modules.get("flash_attn")
-    if present is not None and not getattr(present, "__flash_ext__", False):
+    if present is not None and getattr(present, "__flash_ext__", False):
+        return present
+    real = sorted(name for name in sys.modules if name == "flash_attn" or name.startswith("flash_attn."))
+    if real:
+        module = sys.modules[real[0]]
         raise ArgumentError(
-            f"flash_ext.install_as_flash_attn: sys.modules['flash_attn']: got {getattr(present, '__file__', present)!r}; "
+            f"flash_ext.install_as_flash_attn: sys.modules['{real[0]}']: got {getattr(module, '__file__', module)!r}; "
             "must not be imported yet (the modules that imported it keep its functions: two implementations in one "
             "process); call install_as_flash_attn() before anything imports flash_attn")
-    if present is not None:
-        return present
     alias = types.ModuleType("flash_attn", doc=f"flash_ext, under flash_attn {FLASH_ATTN_API_VERSION}'s module name "
                                                "(flash_ext.install_as_flash_attn).")
+    # A module spec and a file, as an imported package has: importlib.util.find_spec("flash_attn"), the check
+    # transformers, accelerate and peft run on import, raised ValueError ("__spec__ is None") without one.
+    alias.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, origin=__file__, is_package=True)
+    alias.__file__ = __file__
     for name in flash_attn_interface.__all__:
         if not name.startswith("_"):
             setattr(alias, name, getattr(flash_attn_interface, name))

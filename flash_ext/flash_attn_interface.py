@@ -52,6 +52,12 @@ def _no_dropout_rng(rng_state: Optional[torch.Tensor], dropout_p: float) -> Opti
     return rng_state if dropout_p > 0 else None
 
 
+def _s_dmask_or_empty(probs: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """S_dmask only when return_softmax asked for it (an O(seqlen_q x seqlen_k) tensor); flash_attn's empty
+    tensor otherwise."""
+    return probs if probs is not None else torch.empty((0,), dtype=q.dtype, device=q.device)
+
+
 @raises_argument_error
 def _flash_attn_forward(
     q: torch.Tensor,
@@ -71,8 +77,8 @@ def _flash_attn_forward(
     ``_flash_attn_backward`` needs to regenerate the dropout mask.  Semantics as ``flash_attn_func``."""
     out, lse, probs, rng_state = forward_with_rng_state(
         q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
-        False, True, 0)
-    return out, lse, probs, rng_state
+        False, bool(return_softmax), 0)
+    return out, lse, _s_dmask_or_empty(probs, q), rng_state
 
 
 @raises_argument_error
@@ -106,8 +112,9 @@ def _flash_attn_varlen_forward(
             "flash_attn_with_kvcache takes it as cache_leftpad"])
     out, lse, probs, rng_state = varlen_forward_with_rng_state(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        (window_size_left, window_size_right), softcap, alibi_slopes, False, True, block_table, seqused_k, 0)
-    return out, lse, probs, rng_state
+        (window_size_left, window_size_right), softcap, alibi_slopes, False, bool(return_softmax), block_table,
+        seqused_k, 0)
+    return out, lse, _s_dmask_or_empty(probs, q), rng_state
 
 
 @raises_argument_error

@@ -70,3 +70,44 @@ def test_import_flash_ext_installs_nothing() -> None:
         print("ok")
     """)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_transformers_imports_after_the_alias() -> None:
+    """Libraries probe for flash_attn with importlib.util.find_spec when they load (transformers on every model
+    or config import): the alias had no module spec, so find_spec raised ValueError and, with the alias
+    installed first, `from transformers import LlamaConfig` failed.  The alias has a spec; transformers still
+    finds no flash_attn distribution (package metadata), so it does not offer flash_attention_2."""
+    r = _run("""
+        import importlib.util, flash_ext
+        flash_ext.install_as_flash_attn()
+        assert importlib.util.find_spec("flash_attn") is not None
+        assert importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
+        import inspect, flash_attn
+        assert inspect.getfile(flash_attn).endswith("flash_attn_alias.py")
+        try:
+            import transformers
+        except ImportError:
+            print("ok")
+            raise SystemExit
+        from transformers import LlamaConfig  # noqa: F401
+        from transformers.utils import is_flash_attn_2_available
+        assert not is_flash_attn_2_available()
+        print("ok")
+    """)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_a_loaded_flash_attn_submodule_is_not_replaced() -> None:
+    """A real flash_attn submodule already imported (without its package in sys.modules, contrived) is refused
+    too: replacing it would leave its importers with the other implementation."""
+    r = _run("""
+        import sys, types, flash_ext
+        sys.modules["flash_attn.flash_attn_interface"] = types.ModuleType("flash_attn.flash_attn_interface")
+        try:
+            flash_ext.install_as_flash_attn()
+        except flash_ext.ArgumentError as e:
+            assert "sys.modules['flash_attn.flash_attn_interface']" in str(e), e
+            assert "flash_attn" not in sys.modules
+            print("refused")
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "refused", r.stdout[-2000:] + r.stderr[-3000:]

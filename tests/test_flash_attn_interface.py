@@ -167,6 +167,13 @@ def test_dropout_round_trip(device) -> None:
     _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, p, 0.125, False, -1, -1, 0.0, None, False, rng_state)
     check_grads((dq, dk, dv), q, k, v, dout, softmax_scale=0.125, dropout_p=p, dropout_mask=mask,
                 context="dropout bwd")
+    # return_softmax=False: no S_dmask (an O(sq x sk) tensor flash_ext built anyway; flash_attn returns an
+    # empty one), the same output and rng_state semantics
+    out2, lse2, none, rng2 = _flash_attn_forward(q, k, v, p, 0.125, False, -1, -1, 0.0, None, False)
+    assert none.shape == (0,) and none.dtype == q.dtype and rng2.shape == (2,)
+    none = _flash_attn_varlen_forward(q[0], k[0], v[0], torch.tensor([0, 70], dtype=torch.int32, device=dev),
+                                      torch.tensor([0, 90], dtype=torch.int32, device=dev), 70, 90, p, 0.125, False)[2]
+    assert none.shape == (0,)
     sentinel = torch.full_like(q, 7.0)
     with pytest.raises(ArgumentError, match=r"rng_state: got None; is required with dropout_p > 0"):
         _flash_attn_backward(dout, q, k, v, out, lse, sentinel, dk, dv, p, 0.125, False, -1, -1, 0.0, None, False)

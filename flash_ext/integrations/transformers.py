@@ -96,8 +96,10 @@ _ERR = "flash_ext.integrations.transformers"
 
 @dataclasses.dataclass(frozen=True)
 class PackedSequences:
-    """Several sequences concatenated along each row of a ``(batch, seqlen)`` input, as transformers detects
-    them from ``position_ids`` (a new sequence starts wherever the position does not increase by 1).
+    """Several sequences concatenated along each row of a ``(batch, seqlen)`` input, as transformers' mask
+    builders detect them from ``position_ids`` (a new sequence wherever the position does not increase by 1),
+    or as flash_attention_2 reads the layers' ``position_ids`` (a new sequence wherever the position returns
+    to the row's minimum; ``_packed_from_position_ids``).
 
     ``cu_seqlens`` (int32, ``(num_sequences + 1,)``): sequence boundaries in the flattened ``batch * seqlen``
     tokens.  ``max_seqlen``: an upper bound of the longest sequence (``seqlen``, so no device read-back)."""
@@ -589,13 +591,13 @@ _dense_mask_read = _LastRead()
 
 def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
                     seqlen_k: int) -> Optional[Tuple[PackedSequences, bool]]:
-    """A dense ``(batch, 1, s, s)`` mask that models build themselves for names without "flash" (Pixtral's vision
-    tower: one block per image), read exactly when it is block-diagonal: every row sees one contiguous block
-    of its row's tokens, the blocks tile the row, optionally causal inside each block.  The mask is boolean
-    (True = attend) or additive with only 0 and masked values (-inf or the dtype's minimum: no bias).  Returns
-    ``(PackedSequences, causal)``, or None for any other mask (refused by the caller), a row that sees no key,
-    or in a traced graph (the check reads the mask back)."""
-    if not (mask.shape[0] == batch and mask.shape[1] == 1 and seqlen_q == seqlen_k
+    """A dense ``(batch or 1, heads or 1, s, s)`` mask that models build themselves for names without "flash"
+    (Pixtral's vision tower: one block per image), read exactly when it is block-diagonal: every row sees one
+    contiguous block of its row's tokens, the blocks tile the row, optionally causal inside each block, the
+    same for every head.  The mask is boolean (True = attend) or additive with only 0 and masked values (-inf
+    or the dtype's minimum: no bias).  Returns ``(PackedSequences, causal)``, or None for any other mask
+    (refused by the caller), a row that sees no key, or in a traced graph (the check reads the mask back)."""
+    if not (mask.dim() == 4 and mask.shape[0] in (1, batch) and seqlen_q == seqlen_k
             and tuple(mask.shape[-2:]) == (seqlen_q, seqlen_k)) or _transformers()["is_tracing"](mask):
         return None
     return _dense_mask_read.get(mask, lambda: _read_blocks(mask, batch, seqlen_q))
@@ -603,6 +605,9 @@ def _block_diagonal(mask: torch.Tensor, batch: int, seqlen_q: int,
 
 def _read_blocks(mask: torch.Tensor, batch: int, s: int) -> Optional[Tuple[PackedSequences, bool]]:
     m = mask[:, 0]
+    if mask.shape[1] > 1 and not torch.equal(mask, m[:, None].expand_as(mask)):
+        return None  # heads with different masks
+    m = m.expand(batch, s, s)  # one mask broadcast over the batch
     if m.dtype == torch.bool:
         allowed = m
     elif m.is_floating_point():
@@ -635,11 +640,10 @@ def _read_blocks(mask: torch.Tensor, batch: int, s: int) -> Optional[Tuple[Packe
 def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
                               seqlen_k: int) -> Optional[PackedSequences]:
     """Packed sequences told apart only by ``position_ids`` (``DataCollatorWithFlattening``'s default output),
-    found as transformers' flash_attention_2 finds them: one row of more than one token whose positions are not
-    consecutive.  transformers' mask builders look for packing only without a cache, so with ``use_cache``
-    (the default, also in training) eager attention lets such sequences attend to each other; flash_attention_2
-    does not, nor does this.  A new sequence starts wherever the position does not increase by 1 (the mask
-    builders' rule).  The check reads the positions back once per forward (the decoder layers share the
+    found as transformers' flash_attention_2 finds them: one row of more than one token, a new sequence wherever
+    the position returns to the row's minimum.  transformers' mask builders look for packing only without a
+    cache, so with ``use_cache`` (the default, also in training) eager attention lets such sequences attend to
+    each other; flash_attention_2 does not, nor does this.  The check reads the positions back once per forward (the decoder layers share the
     tensor); in a traced graph it is skipped (eager attention's semantics: pass ``cu_seq_lens_*``, e.g.
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``, or ``use_cache=False``)."""
     if not (isinstance(position_ids, torch.Tensor) and batch == 1 and 1 < seqlen_q == seqlen_k
@@ -652,8 +656,10 @@ def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
 
 
 def _read_restarts(positions: torch.Tensor) -> Optional[PackedSequences]:
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[1:] = positions[1:] - positions[:-1] != 1
+    # flash_attention_2's rule: a sequence starts where the position is the row's minimum (0, or RoBERTa-style
+    # padding_idx + 1); a gap in the positions without a restart stays one sequence, as eager keeps it.
+    starts = positions == positions.min()
+    starts[0] = True
     if not bool(starts[1:].any()):
         return None
     begin = torch.nonzero(starts, as_tuple=False).flatten()
