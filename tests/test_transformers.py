@@ -399,6 +399,31 @@ def test_torch_compile_forward(side):
 # ---------------------------------------------------------------------------------------------------------
 # what it cannot serve: an error, not an answer
 
+@pytest.mark.parametrize("side", [None, "left"], ids=["no_pad", "left_pad"])
+def test_paligemma_text_is_causal_as_its_mask(side):
+    """PaliGemma's config makes every language-model layer call itself non-causal (use_bidirectional_attention)
+    while its text masks are causal, and eager applies the mask: fx_attention trusted the layers' flag and ran
+    bidirectional attention (logits off by 0.1, silently).  The mask decides now."""
+    transformers_mod = pytest.importorskip("transformers")
+    if not hasattr(transformers_mod, "PaliGemmaForConditionalGeneration"):
+        pytest.skip("this transformers has no PaliGemma")
+    config = transformers_mod.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=VOCAB + 8, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                         pad_token_id=0, initializer_range=0.2),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=32, patch_size=8, projection_dim=64),
+        image_token_id=VOCAB + 4, projection_dim=64)
+    eager, fx = model_pair(transformers_mod.PaliGemmaForConditionalGeneration, config)
+    assert not any(layer.self_attn.is_causal for layer in fx.model.language_model.layers)
+    ids, mask = ids_for(), padding_mask(side)
+    keep = real(mask)
+    with torch.no_grad():
+        ref = eager(input_ids=ids, attention_mask=mask).logits
+        got = fx(input_ids=ids, attention_mask=mask).logits
+    assert cosine(got[keep], ref[keep]) >= 0.9999
+
+
 def test_pixtral_block_mask_matches_eager():
     """Pixtral's vision tower hands implementations without "flash" in their name a dense block-diagonal mask
     (one block per image) instead of cu_seq_lens: read exactly as packed sequences (it was refused)."""

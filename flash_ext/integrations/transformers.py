@@ -114,10 +114,20 @@ class PackedSequences:
 class BidirectionalWindow:
     """A bidirectional sliding window as the mask pattern states it (``sliding_window_bidirectional_overlay``):
     query i attends to keys j with ``|i - j| <= window``, over ``keys``: what ``mask_interface`` returns
-    without a window (None: no padding; a bool ``(batch, <= kv_length)`` key mask; ``PackedSequences``)."""
+    without a window (None: no padding; a bool ``(batch, <= kv_length)`` key mask; ``PackedSequences``).
+    ``window=None``: every key, stated for models whose layers cannot say it (``_bidirectional_by_config``)."""
 
     keys: Optional[Any]
-    window: int
+    window: Optional[int]
+
+
+def _bidirectional_by_config(config: Any) -> bool:
+    """Gemma-family configs with ``use_bidirectional_attention`` (PaliGemma's default) make every layer call
+    itself non-causal (``is_causal=False``) whatever its mask: PaliGemma's text masks are causal (bidirectional
+    blocks come only with ``token_type_ids``, a union, refused), and eager applies the mask.  For such models
+    the mask decides: ``mask_interface`` states every non-causal pattern (a ``BidirectionalWindow``), and
+    ``attention_forward`` runs the others causal."""
+    return bool(getattr(config, "use_bidirectional_attention", False))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -342,8 +352,9 @@ def mask_interface(
     pattern = _read_pattern(mask_function, parts["patterns"])
     mask = _key_mask(parts, pattern, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
     window = pattern["bidirectional_window"]
-    if window is not None and (mask is None or isinstance(mask, PackedSequences)
-                               or (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
+    stated = window is not None or (not pattern["causal"] and _bidirectional_by_config(config))
+    if stated and (mask is None or isinstance(mask, PackedSequences)
+                   or (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
         return BidirectionalWindow(mask, window)
     return mask
 
@@ -493,7 +504,8 @@ def attention_forward(
                              "head_mask": "per-head output mask"}[name])
     mask = attention_mask
     stated_window = None  # a bidirectional window the mask pattern states (BidirectionalWindow)
-    if isinstance(mask, BidirectionalWindow):
+    stated_bidirectional = isinstance(mask, BidirectionalWindow)
+    if stated_bidirectional:
         mask, stated_window = mask.keys, mask.window
     mask_causal = None  # the causality a dense block mask states (it, not the layer's flag, is eager's truth)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and query.dim() == 4:
@@ -520,6 +532,8 @@ def attention_forward(
                       "returned as None (use attn_implementation='eager' to get them)", stacklevel=2)
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if not stated_bidirectional and _bidirectional_by_config(getattr(module, "config", None)):
+        causal = True  # the mask pattern was causal: eager attends causally whatever the layer's flag
     if mask_causal is not None:
         causal, sliding_window, stated_window = mask_causal, None, None  # the mask states the whole pattern
     batch, heads, seqlen_q, head_dim = query.shape
@@ -538,7 +552,8 @@ def attention_forward(
         dropout_p=float(dropout),
         softmax_scale=float(scaling) if scaling is not None else head_dim ** -0.5,
         causal=causal,
-        window_size=(_window(sliding_window, causal, seqlen_k) if stated_window is None
+        window_size=((-1, -1) if stated_bidirectional and stated_window is None
+                     else _window(sliding_window, causal, seqlen_k) if stated_window is None
                      else (stated_window, 0 if causal else stated_window)),
         softcap=float(softcap) if softcap else 0.0,
         deterministic=bool(kwargs.get("deterministic") or False),
