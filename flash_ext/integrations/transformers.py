@@ -109,6 +109,15 @@ class PackedSequences:
     batch: int
     seqlen: int
 
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor) -> "PackedSequences":
+        """From a bool ``(batch, seqlen)`` map of the tokens that open a sequence (each row's first one among
+        them): ``cu_seqlens`` over the flattened tokens, ``seqlen`` as the length bound (no read-back)."""
+        begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
+        total = torch.tensor([starts.numel()], device=begin.device, dtype=begin.dtype)
+        batch, seqlen = size_arg(starts.shape[0]), size_arg(starts.shape[1])
+        return cls(torch.cat([begin, total]).to(torch.int32), seqlen, batch, seqlen)
+
 
 @dataclasses.dataclass(frozen=True)
 class BidirectionalWindow:
@@ -376,10 +385,7 @@ def _key_mask(parts: Dict[str, Any], pattern: Dict[str, Any], batch_size: int, q
         ids = packed.expand(batch_size, -1)
         starts = torch.ones_like(ids, dtype=torch.bool)
         starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
-        total = torch.tensor([ids.numel()], device=begin.device, dtype=begin.dtype)
-        cu_seqlens = torch.cat([begin, total]).to(torch.int32)
-        return PackedSequences(cu_seqlens, size_arg(ids.shape[1]), size_arg(batch_size), size_arg(ids.shape[1]))
+        return PackedSequences.from_starts(starts)
 
     end = kv_offset + kv_length
     if pattern["causal"]:
@@ -647,9 +653,7 @@ def _read_blocks(mask: torch.Tensor, batch: int, s: int) -> Optional[Tuple[Packe
         causal = True
     else:
         return None
-    begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
-    end = torch.tensor([batch * s], device=begin.device, dtype=begin.dtype)
-    return PackedSequences(torch.cat([begin, end]).to(torch.int32), s, batch, s), causal
+    return PackedSequences.from_starts(starts), causal
 
 
 def _packed_from_position_ids(position_ids: Any, batch: int, seqlen_q: int,
@@ -677,9 +681,7 @@ def _read_restarts(positions: torch.Tensor) -> Optional[PackedSequences]:
     starts[0] = True
     if not bool(starts[1:].any()):
         return None
-    begin = torch.nonzero(starts, as_tuple=False).flatten()
-    end = torch.tensor([positions.numel()], device=begin.device, dtype=begin.dtype)
-    return PackedSequences(torch.cat([begin, end]).to(torch.int32), positions.numel(), 1, positions.numel())
+    return PackedSequences.from_starts(starts[None])
 
 
 def _varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, common) -> torch.Tensor:
