@@ -46,12 +46,6 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 FwdOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _no_dropout_rng(rng_state: Optional[torch.Tensor], dropout_p: float) -> Optional[torch.Tensor]:
-    """The backward reads ``rng_state`` only with dropout: without it, whatever the caller kept (flash_attn's
-    two unused values, or flash_ext's empty one) is not passed on."""
-    return rng_state if dropout_p > 0 else None
-
-
 def _s_dmask_or_empty(probs: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
     """S_dmask only when return_softmax asked for it (an O(seqlen_q x seqlen_k) tensor); flash_attn's empty
     tensor otherwise."""
@@ -145,7 +139,7 @@ def _flash_attn_backward(
     _, softmax_d = fixed_backward_with_d(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, dropout_p=dropout_p, rng_state=_no_dropout_rng(rng_state, dropout_p))
+        deterministic=deterministic, dropout_p=dropout_p, rng_state=rng_state)
     return softmax_d
 
 
@@ -181,7 +175,7 @@ def _flash_attn_varlen_backward(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_size_left, window_size_right),
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, dropout_p=dropout_p,
-        rng_state=_no_dropout_rng(rng_state, dropout_p))
+        rng_state=rng_state)
     return softmax_d
 
 
